@@ -1,0 +1,133 @@
+"""What an array is to mpidp: backend, dtype, shape, device and a host/device view.
+
+Supports NumPy arrays, CuPy arrays and PyTorch tensors without importing
+torch or cupy: a backend is recognised by the module its type comes from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+__all__ = ["ArrayInfo", "describe", "view", "empty_like", "zeros_like", "FLOATING", "BFLOAT16"]
+
+BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+#: dtypes mpidp synchronises; everything else is refused.
+FLOATING = ("float32", "float16", "bfloat16")
+_INTEGER_KINDS = "biu"
+
+
+@dataclass(frozen=True)
+class ArrayInfo:
+    """The backend-neutral description of one array."""
+
+    backend: str  # "numpy", "torch" or "cupy"
+    dtype: str  # "float32", "bfloat16", "int64", "bool", ...
+    shape: tuple[int, ...]
+    device: str  # "cpu" or "cuda:N"
+
+    @property
+    def size(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def is_integer(self) -> bool:
+        return self.dtype == "bool" or self.dtype.startswith(("int", "uint"))
+
+
+def _backend(x: Any) -> str | None:
+    if isinstance(x, np.ndarray):
+        return "numpy"
+    module = type(x).__module__.split(".", 1)[0]
+    if module == "torch" and hasattr(x, "data_ptr"):
+        return "torch"
+    if module == "cupy" and hasattr(x, "data"):
+        return "cupy"
+    return None
+
+
+def describe(x: Any) -> ArrayInfo | None:
+    """Return ``x``'s description, or None when ``x`` is not a supported array."""
+    backend = _backend(x)
+    if backend is None:
+        return None
+    if backend == "torch":
+        dtype = str(x.dtype).removeprefix("torch.")
+        device = "cpu" if x.device.type == "cpu" else f"{x.device.type}:{x.device.index or 0}"
+        return ArrayInfo("torch", dtype, tuple(x.shape), device)
+    dtype = x.dtype.name
+    if backend == "cupy":
+        return ArrayInfo("cupy", dtype, tuple(x.shape), f"cuda:{x.device.id}")
+    return ArrayInfo("numpy", dtype, x.shape, "cpu")
+
+
+def view(x: Any) -> Any:
+    """Return a NumPy (host) or CuPy (device) array sharing ``x``'s memory.
+
+    Writes to the view are writes to ``x``. PyTorch tensors are detached
+    first; bfloat16 tensors are viewed through their bits.
+    """
+    if isinstance(x, np.ndarray):
+        return x
+    backend = _backend(x)
+    if backend == "cupy":
+        return x
+    if backend == "torch":
+        t = x.detach()
+        if t.device.type == "cpu":
+            if str(t.dtype) == "torch.bfloat16":
+                import torch
+
+                return t.view(torch.int16).numpy().view(BFLOAT16)
+            return t.numpy()
+        import cupy
+
+        return cupy.from_dlpack(t)
+    raise TypeError(f"not an array: {type(x).__name__}")
+
+
+def empty_like(x: Any) -> Any:
+    """Return a new uninitialised array of ``x``'s backend, dtype, shape and device."""
+    backend = _backend(x)
+    if backend == "torch":
+        import torch
+
+        return torch.empty_like(x, memory_format=torch.contiguous_format, requires_grad=False)
+    if backend == "cupy":
+        import cupy
+
+        return cupy.empty_like(x, order="C")
+    return np.empty_like(x, order="C")
+
+
+def zeros_like(x: Any) -> Any:
+    """Return a new zero array of ``x``'s backend, dtype, shape and device."""
+    out = empty_like(x)
+    view(out)[...] = 0
+    return out
+
+
+def xp(v: Any) -> Any:
+    """Return the array module (numpy or cupy) of a view."""
+    if isinstance(v, np.ndarray):
+        return np
+    import cupy
+
+    return cupy
+
+
+def address(v: Any) -> int:
+    """Return the address of a view's first element."""
+    if isinstance(v, np.ndarray):
+        return int(v.__array_interface__["data"][0])
+    return int(v.data.ptr)
+
+
+def is_c_contiguous(v: Any) -> bool:
+    return bool(v.flags.c_contiguous)

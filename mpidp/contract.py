@@ -1,0 +1,117 @@
+"""Per-entry contracts, tie groups, and the diff that names the first difference.
+
+A contract is plain data (tuples of str, int and bool) so that it pickles
+without any class and can be decoded by the restricted unpickler.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+from .arrays import FLOATING, ArrayInfo, describe
+
+__all__ = ["Entry", "Contract", "build", "diff"]
+
+
+class Entry(NamedTuple):
+    """One named array: ``(name, shape, dtype, trainable, alias)``."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    trainable: bool
+    alias: int  # index of the first entry holding the same array
+
+
+Contract = tuple[Entry, ...]
+
+
+class Local(NamedTuple):
+    """What one rank found about its own replica."""
+
+    contract: Contract
+    arrays: tuple[Any, ...]  # contract order
+    infos: tuple[ArrayInfo, ...]
+    error: str | None
+
+
+def build(params: Any, frozen: Any, device: str | None) -> Local:
+    """Build this rank's contract and the first local error, communicating nothing.
+
+    Entries are ordered by name, so ranks agree whatever order their
+    mappings were filled in. ``device`` None means "the device of the first
+    array" (checked for agreement among all arrays).
+    """
+    if not isinstance(params, Mapping):
+        return Local((), (), (), f"params must be a mapping of names to arrays, got {type(params).__name__}")
+    names = list(params)
+    bad = next((n for n in names if not isinstance(n, str)), None)
+    if bad is not None:
+        return Local((), (), (), f"parameter names must be str, got {bad!r}")
+    names.sort()
+    try:
+        frozen_set = set(frozen)
+    except TypeError:
+        return Local((), (), (), f"frozen must be a collection of names, got {type(frozen).__name__}")
+    error: str | None = None
+    unknown = sorted(str(n) for n in frozen_set - set(names))
+    if unknown:
+        error = f"frozen names unknown parameter {unknown[0]!r}"
+    entries: list[Entry] = []
+    arrays: list[Any] = []
+    infos: list[ArrayInfo] = []
+    first: dict[int, int] = {}
+    for index, name in enumerate(names):
+        array = params[name]
+        info = describe(array)
+        if info is None:
+            error = error or f"parameter {name!r}: {type(array).__name__} is not a NumPy, CuPy or PyTorch array"
+            info = ArrayInfo("?", type(array).__name__, (), "?")
+        elif info.is_integer:
+            error = error or (
+                f"parameter {name!r}: {info.dtype} arrays need explicit synchronization "
+                "(mpidp moves only float32, float16 and bfloat16)"
+            )
+        elif info.dtype not in FLOATING:
+            error = error or f"parameter {name!r}: dtype {info.dtype} is not supported (float32, float16, bfloat16)"
+        elif device is None:
+            device = info.device
+        if error is None and info.device != device:
+            error = f"parameter {name!r} is on {info.device}, but this rank's device is {device}"
+        alias = first.setdefault(id(array), index)
+        trainable = name not in frozen_set
+        if alias != index and error is None:
+            head = entries[alias]
+            if head.trainable != trainable:
+                error = (
+                    f"tied parameters {head.name!r} and {name!r} disagree on the trainable flag "
+                    "(freeze all names of a tied array or none)"
+                )
+        entries.append(Entry(name, info.shape, info.dtype, trainable, alias))
+        arrays.append(array)
+        infos.append(info)
+    return Local(tuple(entries), tuple(arrays), tuple(infos), error)
+
+
+def diff(mine: Contract, theirs: Contract) -> str | None:
+    """Name the first difference between two contracts, or None if they are equal."""
+    if mine == theirs:
+        return None
+    for index, (a, b) in enumerate(zip(mine, theirs)):
+        if a == b:
+            continue
+        if a.name != b.name:
+            return f"entry {index} is {b.name!r}, expected {a.name!r}"
+        for field in ("shape", "dtype", "trainable"):
+            if getattr(a, field) != getattr(b, field):
+                return f"parameter {a.name!r}: {field} {getattr(b, field)} differs from {getattr(a, field)}"
+        return f"parameter {a.name!r}: {_tie(theirs, index)}, expected {_tie(mine, index)}"
+    if len(mine) < len(theirs):
+        return f"{len(theirs)} parameters, expected {len(mine)} (extra {theirs[len(mine)].name!r})"
+    return f"{len(theirs)} parameters, expected {len(mine)} (missing {mine[len(theirs)].name!r})"
+
+
+def _tie(contract: Contract, index: int) -> str:
+    alias = contract[index].alias
+    return "untied" if alias == index else f"tied to {contract[alias].name!r}"

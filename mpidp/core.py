@@ -1,0 +1,384 @@
+"""DataParallel: check locally, agree globally, then move bytes."""
+
+from __future__ import annotations
+
+import enum
+import numbers
+import zlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from mpi4py import MPI
+
+from . import arrays, contract, guard
+from .comm import Communicator
+from .errors import ContractError
+from .packing import DEFAULT_CHUNK_BYTES, Call, bcast_calls, plan, reduce_calls, slot
+
+__all__ = ["DataParallel", "MissingGradientPolicy", "ReducedGradients"]
+
+_U64_MAX = (1 << 64) - 1
+
+
+class MissingGradientPolicy(enum.Enum):
+    """What to do about a trainable parameter that has no local gradient."""
+
+    #: Refuse the window when a rank with a non-zero local weight lacks a gradient.
+    ERROR = 0
+    #: Contribute zeros; a parameter no weighted rank has a gradient for stays absent.
+    ZERO = 1
+
+
+@dataclass(frozen=True)
+class ReducedGradients:
+    """Globally token-weighted gradients of one accumulation window."""
+
+    #: ``sum over ranks of grad / global_weight`` per globally present parameter.
+    gradients: dict[str, Any]
+    #: Exact sum of the local weights over all ranks.
+    global_weight: int
+
+
+class DataParallel:
+    """A rank's replicated training session over a private duplicate of ``comm``.
+
+    Create it with :meth:`initialize`. Local object identities may differ
+    between ranks: names and tie topology decide the order of collectives.
+    """
+
+    def __init__(
+        self,
+        comm: Communicator,
+        params: Mapping[str, Any],
+        local: contract.Local,
+        chunk_bytes: int,
+        watchdog: guard.Watchdog | None,
+    ) -> None:
+        self._comm = comm
+        self._params = params
+        self._contract = local.contract
+        self._arrays = local.arrays
+        self._infos = local.infos
+        self._chunk_bytes = chunk_bytes
+        self._watchdog = watchdog
+        self._stage = np.empty(chunk_bytes // 4, dtype=np.float32)
+        #: contract indices of the trainable tie-group heads: one reduction slot each
+        self._slots = tuple(i for i, e in enumerate(self._contract) if e.trainable and e.alias == i)
+        slot_of_head = {head: s for s, head in enumerate(self._slots)}
+        #: every trainable name (tied ones included) -> its reduction slot
+        self._slot_of = {
+            e.name: slot_of_head[e.alias] for e in self._contract if e.trainable
+        }
+        self._frozen = frozenset(e.name for e in self._contract if not e.trainable)
+        self._sizes = tuple(self._infos[i].size for i in self._slots)
+        self._plans: dict[bytes, tuple[Call, ...]] = {}
+        self._words = (len(self._slots) + 63) // 64
+        self.window = 0
+        self._closed = False
+
+    # ------------------------------------------------------------------ set-up
+
+    @classmethod
+    def initialize(
+        cls,
+        params: Mapping[str, Any],
+        comm: MPI.Comm | None = None,
+        root: int = 0,
+        frozen: Any = (),
+        *,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        device: str | None = None,
+        abort_on_exception: bool = True,
+        timeout: float | None = None,
+    ) -> DataParallel:
+        """Validate every rank's replica, agree, then broadcast it from ``root`` in place.
+
+        Collective: every rank of ``comm`` must call it. ``params`` maps names
+        to NumPy, CuPy or PyTorch arrays; tied weights are the same array
+        object under several names. Names in ``frozen`` are broadcast but
+        never reduced. Arrays keep their identity: an optimizer that already
+        holds them keeps working.
+
+        ``chunk_bytes`` is the size of one collective call (equal on every
+        rank). ``device`` is this rank's device (``"cpu"`` or ``"cuda:N"``);
+        None takes the first parameter's. ``abort_on_exception`` makes an
+        uncaught exception on any rank abort the whole job instead of
+        leaving the others waiting. ``timeout`` (seconds, default from
+        ``MPIDP_TIMEOUT``) arms a watchdog that aborts the job when a rank
+        waits longer than that in one mpidp collective.
+
+        Raises ContractError on every rank if any rank's replica is invalid
+        or differs from another's; nothing is modified then.
+        """
+        if comm is None:
+            comm = MPI.COMM_WORLD
+        if not isinstance(comm, MPI.Comm):
+            raise TypeError(f"comm must be an mpi4py communicator, got {type(comm).__name__}")
+        if timeout is None:
+            timeout = guard.timeout_from_env()
+        c = Communicator(comm)
+        watchdog = guard.Watchdog(c, timeout) if timeout else None
+        try:
+            local = contract.build(params, frozen, device)
+            error = local.error
+            if isinstance(root, bool) or not isinstance(root, numbers.Integral) or not 0 <= root < c.size:
+                error = error or f"root {root!r} is outside the world of {c.size} ranks"
+                root = -1
+            if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, numbers.Integral) or chunk_bytes < 4096:
+                error = error or f"chunk_bytes must be an integer of at least 4096, got {chunk_bytes!r}"
+                chunk_bytes = 0
+            record = (tuple(tuple(e) for e in local.contract), int(root), int(chunk_bytes) // 4 * 4, error)
+            records = c.allgather_obj(record)
+            for rank, (_, _, _, err) in enumerate(records):
+                if err is not None:
+                    raise ContractError(f"rank {rank}: {err}")
+            head = records[0]
+            reference = tuple(contract.Entry(*e) for e in head[0])
+            for rank, (entries, r, chunk, _) in enumerate(records):
+                difference = contract.diff(reference, tuple(contract.Entry(*e) for e in entries))
+                if difference is not None:
+                    raise ContractError(f"rank {rank} differs from rank 0: {difference}")
+                if r != head[1]:
+                    raise ContractError(f"rank {rank} broadcasts from root {r}, rank 0 from root {head[1]}")
+                if chunk != head[2]:
+                    raise ContractError(f"rank {rank} uses chunk_bytes={chunk}, rank 0 chunk_bytes={head[2]}")
+            self = cls(c, params, local, int(chunk_bytes) // 4 * 4, watchdog)
+            self._broadcast(int(root))
+        except BaseException:
+            if watchdog is not None:
+                watchdog.close()
+            c.close()
+            raise
+        if abort_on_exception and c.size > 1:
+            guard.install_abort_hook(MPI.COMM_WORLD.Get_rank())
+        return self
+
+    def _broadcast(self, root: int) -> None:
+        heads = [i for i, e in enumerate(self._contract) if e.alias == i]
+        slots = [slot(arrays.view(self._arrays[i]).view(np.uint8)) for i in heads]
+        calls = plan([s.flat.size for s in slots], [True] * len(slots), self._chunk_bytes)
+        label = "initialize: Bcast"
+        bcast_calls(calls, slots, self._stage.view(np.uint8), lambda b: self._comm.Bcast(b, root, label), self.rank == root)
+
+    # --------------------------------------------------------------- accessors
+
+    @property
+    def rank(self) -> int:
+        """This replica's rank in the communicator."""
+        return self._comm.rank
+
+    @property
+    def world_size(self) -> int:
+        """Number of replicas."""
+        return self._comm.size
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """Every parameter name, in contract (sorted) order."""
+        return tuple(e.name for e in self._contract)
+
+    @property
+    def trainable(self) -> tuple[str, ...]:
+        """The name that heads each trainable tie group, in contract order."""
+        return tuple(self._contract[i].name for i in self._slots)
+
+    # ------------------------------------------------------------------ window
+
+    def _check_replica(self) -> str | None:
+        params = self._params
+        if len(params) != len(self._contract):
+            return f"the parameter mapping changed after initialize: {len(params)} names, expected {len(self._contract)}"
+        for entry, array, info in zip(self._contract, self._arrays, self._infos):
+            current = params.get(entry.name, None)
+            if current is not array:
+                return f"parameter {entry.name!r} was replaced or removed after initialize"
+            now = arrays.describe(array)
+            if now != info:
+                return f"parameter {entry.name!r} changed after initialize: {now} was {info}"
+        return None
+
+    def _check_gradients(self, grads: Any, local: list[Any], names: list[str | None]) -> str | None:
+        if not isinstance(grads, Mapping):
+            return f"grads must be a mapping of names to arrays, got {type(grads).__name__}"
+        for name in sorted(grads, key=str):
+            index = self._slot_of.get(name)
+            if index is None:
+                kind = "frozen" if name in self._frozen else "unknown"
+                return f"gradient for {kind} parameter {name!r}"
+            if names[index] is not None:
+                return f"two gradients for one tied array: {names[index]!r} and {name!r}"
+            g = grads[name]
+            info = arrays.describe(g)
+            p = self._infos[self._slots[index]]
+            if info is None:
+                return f"gradient {name!r} is a {type(g).__name__}, not an array"
+            for field in ("shape", "dtype", "device"):
+                if getattr(info, field) != getattr(p, field):
+                    return f"gradient {name!r}: {field} {getattr(info, field)} differs from its parameter's {getattr(p, field)}"
+            local[index] = g
+            names[index] = name
+        return None
+
+    def reduce(
+        self,
+        grads: Mapping[str, Any],
+        local_weight: int,
+        policy: MissingGradientPolicy = MissingGradientPolicy.ERROR,
+    ) -> ReducedGradients:
+        """Turn gradients of local loss **sums** into the global token mean.
+
+        Collective: every rank must call it once per accumulation window.
+        ``grads`` maps one name per trainable tie group to the gradient of
+        this rank's loss *sum* over the window; ``local_weight`` is the
+        number of tokens (or samples) behind it. The result per globally
+        present parameter is ``sum over ranks of grad / global_weight``,
+        summed in float32 and cast back to the parameter's dtype, bitwise
+        equal on every rank.
+
+        The caller's gradient arrays are consumed: the results are written
+        into them in place and returned under the names they came with. A
+        globally present parameter this rank has no gradient for (policy
+        ZERO, or local weight 0) gets a new array; gradients of a rank with
+        weight 0 are ignored (counted as zeros). Parameters no weighted rank
+        has a gradient for are absent from the result.
+
+        Raises ContractError identically on every rank, before anything is
+        modified, when any rank's input is invalid, ranks disagree on the
+        policy, or the global weight is 0. Raises CollectiveError if MPI
+        fails; the gradient arrays are then unspecified.
+        """
+        if self._closed:
+            raise ContractError("this DataParallel is closed")
+        self.window += 1
+        n = len(self._slots)
+        local: list[Any] = [None] * n
+        names: list[str | None] = [None] * n
+        error = self._check_replica() or self._check_gradients(grads, local, names)
+        weight = 0
+        if isinstance(local_weight, bool) or not isinstance(local_weight, numbers.Integral):
+            error = error or f"local_weight must be a non-negative int, got {type(local_weight).__name__} {local_weight!r}"
+        elif not 0 <= local_weight <= _U64_MAX:
+            error = error or f"local_weight {local_weight} is outside [0, 2**64 - 1]"
+        else:
+            weight = int(local_weight)
+        if not isinstance(policy, MissingGradientPolicy):
+            error = error or f"policy must be a MissingGradientPolicy, got {policy!r}"
+            code = 255
+        else:
+            code = policy.value
+        present = np.array([g is not None for g in local], dtype=bool)
+        if error is None and code == MissingGradientPolicy.ERROR.value and weight > 0 and not present.all():
+            missing = self._contract[self._slots[int(np.argmin(present))]].name
+            error = (
+                f"parameter {missing!r} has no gradient (policy ERROR, local weight {weight}); "
+                "pass policy=MissingGradientPolicy.ZERO if it is legitimately unused"
+            )
+        record = np.zeros(3 + self._words, dtype=np.uint64)
+        record[:3] = (weight, code, error is not None)
+        record[3:].view(np.uint8)[: (n + 7) // 8] = np.packbits(present)
+        table = self._comm.Allgather(record, f"reduce (window {self.window}): exchange")
+        self._agree(table[:, 2], error)
+        codes = table[:, 1]
+        if (codes != codes[0]).any():
+            other = int(np.argmax(codes != codes[0]))
+            raise ContractError(
+                f"ranks disagree on the missing-gradient policy: rank 0 uses "
+                f"{MissingGradientPolicy(int(codes[0])).name}, rank {other} uses {MissingGradientPolicy(int(codes[other])).name}"
+            )
+        global_weight = sum(int(w) for w in table[:, 0])
+        if global_weight > _U64_MAX:
+            raise ContractError(f"the global weight {global_weight} does not fit in 64 bits")
+        if global_weight == 0:
+            raise ContractError("the global weight is 0: no rank has a token in this window, nothing to normalize")
+        weighted = table[table[:, 0] > 0, 3:]
+        bits = np.bitwise_or.reduce(weighted, axis=0).view(np.uint8)
+        key = bits.tobytes()
+        calls = self._plans.get(key)
+        globally = np.unpackbits(bits, count=n).astype(bool)
+        if calls is None:
+            calls = self._plans[key] = plan(self._sizes, globally.tolist(), len(self._stage))
+        return ReducedGradients(self._reduce(calls, globally, local, names, weight, global_weight), global_weight)
+
+    def _agree(self, flags: np.ndarray, error: str | None) -> None:
+        """Raise every rank's first local error on every rank (collective only if one exists)."""
+        if not flags.any():
+            return
+        errors = self._comm.allgather_obj(error)
+        rank = next(r for r, e in enumerate(errors) if e is not None)
+        raise ContractError(f"rank {rank}: {errors[rank]}")
+
+    def _reduce(
+        self,
+        calls: tuple[Call, ...],
+        globally: np.ndarray,
+        local: list[Any],
+        names: list[str | None],
+        weight: int,
+        global_weight: int,
+    ) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        slots: list[Any] = [None] * len(local)
+        for index in np.flatnonzero(globally):
+            g = local[index]
+            head = self._slots[index]
+            if g is None:
+                g = arrays.zeros_like(self._arrays[head])
+            v = arrays.view(g)
+            if weight == 0 and local[index] is not None:
+                v[...] = 0
+            slots[index] = slot(v)
+            out[names[index] or self._contract[head].name] = g
+        label = f"reduce (window {self.window}): Allreduce"
+        reduce_calls(calls, slots, self._stage, lambda b: self._comm.Allreduce(b, label), np.float32(global_weight))
+        return out
+
+    # ------------------------------------------------------------- utilities
+
+    def verify_replicas(self) -> None:
+        """Check that every rank's parameters are bitwise equal to rank 0's.
+
+        Collective. Compares a CRC-32 of every parameter's bytes; raises
+        ContractError on every rank naming the parameters and ranks that
+        differ (and nothing moves but one small Allgather).
+        """
+        error = self._check_replica()
+        heads = [i for i, e in enumerate(self._contract) if e.alias == i]
+        record = np.zeros(1 + len(heads), dtype=np.uint64)
+        record[0] = error is not None
+        if error is None:
+            for k, i in enumerate(heads):
+                record[1 + k] = zlib.crc32(_bytes(arrays.view(self._arrays[i])))
+        table = self._comm.Allgather(record, "verify_replicas")
+        self._agree(table[:, 0], error)
+        differ = table[:, 1:] != table[0, 1:]
+        if differ.any():
+            ranks = np.flatnonzero(differ.any(axis=1))
+            names = [self._contract[heads[k]].name for k in np.flatnonzero(differ.any(axis=0))]
+            shown = ", ".join(repr(n) for n in names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+            raise ContractError(
+                f"replicas differ from rank 0 on rank(s) {', '.join(map(str, ranks))}: parameter(s) {shown}"
+            )
+
+    def close(self) -> None:
+        """Free the private communicator (collective). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._watchdog is not None:
+            self._watchdog.close()
+        self._comm.close()
+
+    def __enter__(self) -> DataParallel:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _bytes(v: Any) -> memoryview:
+    """Return the bytes of a host view (device arrays are copied to the host)."""
+    if not isinstance(v, np.ndarray):
+        v = v.get()
+    return memoryview(np.ascontiguousarray(v).reshape(-1).view(np.uint8))

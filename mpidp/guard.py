@@ -1,0 +1,94 @@
+"""Abort the MPI job on an uncaught exception; an opt-in collective watchdog."""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import sys
+import threading
+import time
+from types import TracebackType
+from typing import TYPE_CHECKING
+
+from mpi4py import MPI
+
+if TYPE_CHECKING:
+    from .comm import Communicator
+
+__all__ = ["install_abort_hook", "Watchdog", "timeout_from_env"]
+
+_installed = False
+
+
+def install_abort_hook(rank: int) -> None:
+    """Make an uncaught exception on this rank abort the whole MPI job.
+
+    Chains to the hook already installed (which prints the traceback), then
+    calls ``MPI_Abort`` so that the other ranks do not wait forever in a
+    collective. Installed once per process.
+    """
+    global _installed
+    if _installed:
+        return
+    previous = sys.excepthook
+
+    def hook(kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
+        sys.stderr.write(f"mpidp: uncaught {kind.__name__} on rank {rank}; aborting the MPI job\n")
+        try:
+            previous(kind, value, tb)
+        finally:
+            sys.stderr.flush()
+            if MPI.Is_initialized() and not MPI.Is_finalized():
+                MPI.COMM_WORLD.Abort(1)
+
+    sys.excepthook = hook
+    _installed = True
+
+
+def timeout_from_env() -> float | None:
+    """Read ``MPIDP_TIMEOUT`` (seconds; unset, empty or 0 means off)."""
+    raw = os.environ.get("MPIDP_TIMEOUT", "").strip()
+    if not raw:
+        return None
+    try:
+        value = float(raw)
+    except ValueError as e:
+        raise ValueError(f"MPIDP_TIMEOUT must be a number of seconds, got {raw!r}") from e
+    return value if value > 0 else None
+
+
+class Watchdog:
+    """Abort the job when this rank waits in one mpidp collective longer than ``timeout``.
+
+    Before aborting it prints the operation, the rank and every thread's
+    stack to stderr. Runs as a daemon thread that only reads two fields of
+    the communicator, so the collective path pays nothing but a timestamp.
+    """
+
+    def __init__(self, comm: Communicator, timeout: float) -> None:
+        self.comm = comm
+        self.timeout = timeout
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="mpidp-watchdog", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        poll = min(1.0, self.timeout / 4)
+        while not self._stop.wait(poll):
+            operation, since = self.comm.operation, self.comm.since
+            if operation is None:
+                continue
+            waited = time.monotonic() - since
+            if waited < self.timeout or self.comm.operation != operation:
+                continue
+            sys.stderr.write(
+                f"mpidp watchdog: rank {self.comm.rank} has waited {waited:.1f} s in {operation} "
+                f"(timeout {self.timeout:g} s); aborting the MPI job. Stacks:\n"
+            )
+            sys.stderr.flush()
+            faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+            sys.stderr.flush()
+            MPI.COMM_WORLD.Abort(1)

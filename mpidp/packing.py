@@ -1,0 +1,163 @@
+"""Chunk plans and the per-chunk pack / reduce / scale / unpack loop.
+
+A plan is a function of the contract and of what every rank agreed on
+(global presence), never of local memory layout, so every rank issues the
+same sequence of collectives with the same counts. Locally each call is
+then either *direct* (the chunk already lies in one contiguous float32
+region: reduce it in place, no copy) or *staged* (upcast into a reusable
+chunk-sized float32 buffer, reduce, scale, cast back).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+from mpi4py import MPI
+
+__all__ = ["Segment", "Call", "plan", "Slot", "slot", "reduce_calls", "bcast_calls", "DEFAULT_CHUNK_BYTES"]
+
+#: Default chunk size in bytes. Measured with benchmarks/chunks.py on the
+#: 2-core development machine (MPICH 5.0.2 wheel): 1-4 MiB chunks reach the
+#: raw Allreduce limit; calls of 32 MiB and more page-fault MPICH's
+#: temporary buffer on every call.
+DEFAULT_CHUNK_BYTES = 4 << 20
+
+
+class Segment(NamedTuple):
+    slot: int  # index into the plan's slots
+    src: int  # offset in the slot, in units
+    dst: int  # offset in the call's buffer, in units
+    count: int
+
+
+class Call(NamedTuple):
+    count: int
+    segments: tuple[Segment, ...]
+
+
+def plan(sizes: Sequence[int], present: Sequence[bool], chunk: int) -> tuple[Call, ...]:
+    """Split present slots into calls of at most ``chunk`` units.
+
+    A slot of at least ``chunk // 4`` units gets calls of its own (so a large
+    contiguous array is reduced in place without packing); smaller slots are
+    packed together, in slot order, into calls of at most ``chunk`` units.
+    """
+    chunk = max(1, chunk)
+    large = max(1, chunk // 4)
+    calls: list[Call] = []
+    pending: list[Segment] = []
+    filled = 0
+    for index, (size, here) in enumerate(zip(sizes, present)):
+        if not here or size == 0:
+            continue
+        if size >= large:
+            for start in range(0, size, chunk):
+                n = min(chunk, size - start)
+                calls.append(Call(n, (Segment(index, start, 0, n),)))
+            continue
+        if filled + size > chunk:
+            calls.append(Call(filled, tuple(pending)))
+            pending, filled = [], 0
+        pending.append(Segment(index, 0, filled, size))
+        filled += size
+    if pending:
+        calls.append(Call(filled, tuple(pending)))
+    return tuple(calls)
+
+
+class Slot(NamedTuple):
+    """One array as the loop sees it: a flat contiguous view and how to put it back."""
+
+    flat: np.ndarray  # 1-D, C-contiguous, same memory as the array (or a temporary copy)
+    address: int
+    itemsize: int
+    float32: bool
+    original: Any  # the view to copy ``flat`` back into when it is a temporary, else None
+
+
+def slot(v: np.ndarray) -> Slot:
+    """Describe host array view ``v`` for the chunk loop."""
+    if v.flags.c_contiguous:
+        flat, original = v.reshape(-1), None
+    else:
+        flat, original = np.ascontiguousarray(v).reshape(-1), v
+    address = int(flat.__array_interface__["data"][0]) if flat.size else 0
+    return Slot(flat, address, flat.itemsize, flat.dtype == np.float32, original)
+
+
+def _direct(call: Call, slots: Sequence[Slot], itemsize: int) -> np.ndarray | None:
+    """Return the contiguous region holding the whole call, or None if it must be staged."""
+    first = call.segments[0]
+    s = slots[first.slot]
+    if len(call.segments) == 1:
+        if itemsize == 1 or s.float32:
+            return s.flat[first.src : first.src + first.count] if itemsize != 1 else s.flat.view(np.uint8)[
+                first.src : first.src + first.count
+            ]
+        return None
+    end = s.address + first.src * itemsize
+    start = end
+    for seg in call.segments:
+        t = slots[seg.slot]
+        if itemsize != 1 and not t.float32:
+            return None
+        if t.original is not None or t.address + seg.src * itemsize != end:
+            return None
+        end += seg.count * itemsize
+    raw = MPI.buffer.fromaddress(start, end - start)
+    return np.frombuffer(raw, dtype=np.uint8 if itemsize == 1 else np.float32)
+
+
+def reduce_calls(
+    calls: Sequence[Call],
+    slots: Sequence[Slot],
+    stage: np.ndarray,
+    allreduce: Callable[[np.ndarray], None],
+    scale: np.float32,
+) -> None:
+    """Sum every call over all ranks, divide by ``scale`` and leave the result in the slots."""
+    for call in calls:
+        region = _direct(call, slots, 4)
+        if region is not None:
+            allreduce(region)
+            np.divide(region, scale, out=region)
+            continue
+        buf = stage[: call.count]
+        for seg in call.segments:
+            buf[seg.dst : seg.dst + seg.count] = slots[seg.slot].flat[seg.src : seg.src + seg.count]
+        allreduce(buf)
+        np.divide(buf, scale, out=buf)
+        for seg in call.segments:
+            slots[seg.slot].flat[seg.src : seg.src + seg.count] = buf[seg.dst : seg.dst + seg.count]
+    for s in slots:
+        if s.original is not None:
+            s.original[...] = s.flat.reshape(s.original.shape)
+
+
+def bcast_calls(
+    calls: Sequence[Call],
+    slots: Sequence[Slot],
+    stage: np.ndarray,
+    bcast: Callable[[np.ndarray], None],
+    is_root: bool,
+) -> None:
+    """Broadcast every call's bytes from the root into the slots (units are bytes)."""
+    for call in calls:
+        region = _direct(call, slots, 1)
+        if region is not None:
+            bcast(region)
+            continue
+        buf = stage[: call.count]
+        if is_root:
+            for seg in call.segments:
+                buf[seg.dst : seg.dst + seg.count] = slots[seg.slot].flat.view(np.uint8)[seg.src : seg.src + seg.count]
+        bcast(buf)
+        if not is_root:
+            for seg in call.segments:
+                slots[seg.slot].flat.view(np.uint8)[seg.src : seg.src + seg.count] = buf[seg.dst : seg.dst + seg.count]
+    if not is_root:
+        for s in slots:
+            if s.original is not None:
+                s.original[...] = s.flat.reshape(s.original.shape)

@@ -12,7 +12,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-__all__ = ["ArrayInfo", "describe", "view", "empty_like", "zeros_like", "FLOATING", "BFLOAT16"]
+__all__ = ["ArrayInfo", "describe", "view", "empty_like", "zeros_like", "flat_zeros", "FLOATING", "BFLOAT16"]
 
 BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 #: dtypes mpidp synchronises; everything else is refused.
@@ -111,6 +111,21 @@ def zeros_like(x: Any) -> Any:
     out = empty_like(x)
     view(out)[...] = 0
     return out
+
+
+def flat_zeros(like: Any, count: int) -> Any:
+    """Return a new 1-D zero array of ``count`` elements, of ``like``'s backend, dtype and device."""
+    backend = _backend(like)
+    if backend == "torch":
+        import torch
+
+        return torch.zeros(count, dtype=like.dtype, device=like.device)
+    if backend == "cupy":
+        import cupy
+
+        with like.device:
+            return cupy.zeros(count, dtype=like.dtype)
+    return np.zeros(count, dtype=like.dtype)
 
 
 def xp(v: Any) -> Any:

@@ -77,6 +77,8 @@ class DataParallel:
         self._words = (len(self._slots) + 63) // 64
         self.window = 0
         self._closed = False
+        self._flat: dict[str, Any] | None = None  # dtype -> flat gradient storage
+        self._flat_views: dict[str, Any] = {}
 
     # ------------------------------------------------------------------ set-up
 
@@ -333,6 +335,46 @@ class DataParallel:
         label = f"reduce (window {self.window}): Allreduce"
         reduce_calls(calls, slots, self._stage, lambda b: self._comm.Allreduce(b, label), np.float32(global_weight))
         return out
+
+    # ------------------------------------------------- flat gradient storage
+
+    def gradient_buffers(self) -> dict[str, Any]:
+        """Return persistent zeroed gradient arrays, one per trainable tie group.
+
+        Local; no communication. The arrays are views into one flat buffer
+        per dtype (of the parameters' backend and device), laid out in the
+        order :meth:`reduce` moves them, so that reducing them needs no
+        packing: float32 gradients are summed and scaled in place, chunk by
+        chunk. They are allocated on the first call; later calls return the
+        same arrays. Accumulate into them in place, pass them to
+        :meth:`reduce`, and clear them with :meth:`zero_gradients`.
+        """
+        if self._flat is None:
+            order = [seg.slot for call in plan(self._sizes, [True] * len(self._sizes), len(self._stage)) for seg in call.segments]
+            offsets: dict[int, tuple[str, int]] = {}
+            totals: dict[str, int] = {}
+            likes: dict[str, Any] = {}
+            for index in dict.fromkeys(order):
+                head = self._slots[index]
+                dtype = self._infos[head].dtype
+                offsets[index] = (dtype, totals.get(dtype, 0))
+                totals[dtype] = totals.get(dtype, 0) + self._sizes[index]
+                likes.setdefault(dtype, self._arrays[head])
+            self._flat = {d: arrays.flat_zeros(likes[d], n) for d, n in totals.items()}
+            for index, head in enumerate(self._slots):
+                info = self._infos[head]
+                if index in offsets:
+                    dtype, start = offsets[index]
+                    g = self._flat[dtype][start : start + info.size].reshape(info.shape)
+                else:  # an empty array
+                    g = arrays.zeros_like(self._arrays[head])
+                self._flat_views[self._contract[head].name] = g
+        return dict(self._flat_views)
+
+    def zero_gradients(self) -> None:
+        """Set every array of :meth:`gradient_buffers` to zero (local, one fill per dtype)."""
+        for flat in (self._flat or {}).values():
+            arrays.view(flat)[...] = 0
 
     # ------------------------------------------------------------- utilities
 

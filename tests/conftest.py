@@ -1,0 +1,74 @@
+"""Shared test set-up: a per-test watchdog and helpers for collective assertions.
+
+Every test runs under a faulthandler watchdog: a test that deadlocks dumps
+every thread's stack (to a duplicate of stderr taken before pytest's capture)
+and exits the process, so under ``mpiexec`` the job ends instead of hanging.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+#: seconds one test may run before its stacks are dumped and the process exits
+TEST_TIMEOUT = float(os.environ.get("MPIDP_TEST_TIMEOUT", "120"))
+_stderr = None
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    global _stderr
+    _stderr = os.fdopen(os.dup(2), "w")
+    if MPI.COMM_WORLD.Get_size() > 1 and MPI.COMM_WORLD.Get_rank() > 0:
+        config.option.verbose = -2  # one report is enough; failures still print
+
+
+@pytest.fixture(autouse=True)
+def _watchdog() -> Any:
+    faulthandler.dump_traceback_later(TEST_TIMEOUT, exit=True, file=_stderr)
+    yield
+    faulthandler.cancel_dump_traceback_later()
+
+
+@pytest.fixture
+def comm() -> MPI.Comm:
+    return MPI.COMM_WORLD
+
+
+def outcome(fn: Callable[[], Any]) -> tuple[str, str] | None:
+    """Run ``fn`` and return ``(exception type, message)``, or None if it returned."""
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the type is what is compared
+        return type(e).__name__, str(e)
+    return None
+
+
+def same_error_everywhere(comm: MPI.Comm, fn: Callable[[], Any], kind: type, *fragments: str) -> str:
+    """Assert that ``fn`` raises the same ``kind`` with the same message on every rank.
+
+    Every fragment must appear in the message. Returns the message.
+    """
+    mine = outcome(fn)
+    every = comm.allgather(mine)
+    assert mine is not None, f"rank {comm.rank} raised nothing; all ranks: {every}"
+    assert all(o == every[0] for o in every), f"ranks disagree: {every}"
+    assert mine[0] == kind.__name__, mine
+    for fragment in fragments:
+        assert fragment in mine[1], (fragment, mine[1])
+    return mine[1]
+
+
+def snapshot(arrays: dict[str, Any]) -> dict[str, bytes]:
+    """Return the exact bytes of every array, to prove nothing was modified."""
+    out = {}
+    for k, v in arrays.items():
+        if type(v).__module__.startswith("torch"):
+            v = v.detach().cpu().view(-1).view(__import__("torch").uint8).numpy()
+        out[k] = np.ascontiguousarray(v).tobytes()
+    return out

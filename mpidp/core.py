@@ -159,8 +159,8 @@ class DataParallel:
 
     def _broadcast(self, root: int) -> None:
         heads = [i for i, e in enumerate(self._contract) if e.alias == i]
-        slots = [slot(arrays.view(self._arrays[i]).view(np.uint8)) for i in heads]
-        calls = plan([s.flat.size for s in slots], [True] * len(slots), self._chunk_bytes)
+        slots = [slot(arrays.view(self._arrays[i])) for i in heads]
+        calls = plan([s.flat.nbytes for s in slots], [True] * len(slots), self._chunk_bytes)
         label = "initialize: Bcast"
         bcast_calls(calls, slots, self._stage.view(np.uint8), lambda b: self._comm.Bcast(b, root, label), self.rank == root)
 

@@ -92,11 +92,9 @@ def _direct(call: Call, slots: Sequence[Slot], itemsize: int) -> np.ndarray | No
     first = call.segments[0]
     s = slots[first.slot]
     if len(call.segments) == 1:
-        if itemsize == 1 or s.float32:
-            return s.flat[first.src : first.src + first.count] if itemsize != 1 else s.flat.view(np.uint8)[
-                first.src : first.src + first.count
-            ]
-        return None
+        if itemsize == 1:
+            return s.flat.view(np.uint8)[first.src : first.src + first.count]
+        return s.flat[first.src : first.src + first.count] if s.float32 else None
     end = s.address + first.src * itemsize
     start = end
     for seg in call.segments:
@@ -112,7 +110,7 @@ def _direct(call: Call, slots: Sequence[Slot], itemsize: int) -> np.ndarray | No
 
 def reduce_calls(
     calls: Sequence[Call],
-    slots: Sequence[Slot],
+    slots: Sequence[Slot | None],
     stage: np.ndarray,
     allreduce: Callable[[np.ndarray], None],
     scale: np.float32,
@@ -132,13 +130,13 @@ def reduce_calls(
         for seg in call.segments:
             slots[seg.slot].flat[seg.src : seg.src + seg.count] = buf[seg.dst : seg.dst + seg.count]
     for s in slots:
-        if s.original is not None:
+        if s is not None and s.original is not None:
             s.original[...] = s.flat.reshape(s.original.shape)
 
 
 def bcast_calls(
     calls: Sequence[Call],
-    slots: Sequence[Slot],
+    slots: Sequence[Slot | None],
     stage: np.ndarray,
     bcast: Callable[[np.ndarray], None],
     is_root: bool,

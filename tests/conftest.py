@@ -64,6 +64,14 @@ def same_error_everywhere(comm: MPI.Comm, fn: Callable[[], Any], kind: type, *fr
     return mine[1]
 
 
+def clean_env(**extra: str) -> dict[str, str]:
+    """Return os.environ without the launcher's variables, for a subprocess that starts its own MPI job."""
+    prefixes = ("PMI_", "PMIX_", "MPI_LOCAL", "HYDRA_", "OMPI_", "PRTE_", "MPIR_CVAR_")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(prefixes)}
+    env.update(extra)
+    return env
+
+
 def snapshot(arrays: dict[str, Any]) -> dict[str, bytes]:
     """Return the exact bytes of every array, to prove nothing was modified."""
     out = {}

@@ -1,0 +1,1 @@
+"""Runnable examples: ``mpiexec -n 4 python -m mpi4py -m mpidp.examples.<name>``."""

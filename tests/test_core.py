@@ -1,0 +1,544 @@
+"""DataParallel on named NumPy arrays: broadcast, exact token-weighted reduction, consensus errors.
+
+Collective tests run on every rank of COMM_WORLD (a world of one serially,
+four ranks under mpiexec) and assert on every rank.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tracemalloc
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+import pytest
+from conftest import clean_env, same_error_everywhere, snapshot
+from mpi4py import MPI
+
+import mpidp
+from mpidp import ContractError, MissingGradientPolicy
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+ZERO, ERROR = MissingGradientPolicy.ZERO, MissingGradientPolicy.ERROR
+
+
+def model(seed: int) -> dict[str, Any]:
+    """A replica with every kind of entry: fp32 large and small, fp16, bf16, a tie, a frozen one."""
+    rng = np.random.default_rng(seed)
+    emb = rng.standard_normal((64, 16)).astype(np.float32)
+    return {
+        "embed": emb,
+        "head": emb,  # tied to embed
+        "big": rng.standard_normal(300_000).astype(np.float32),
+        "bias": rng.standard_normal(7).astype(np.float32),
+        "half": rng.standard_normal((5, 9)).astype(np.float16),
+        "brain": rng.standard_normal((3, 11)).astype(BF16),
+        "frozen": rng.standard_normal(4).astype(np.float32),
+    }
+
+
+TRAINABLE = ("big", "bias", "brain", "embed", "half")
+
+
+def grads_for(params: dict[str, Any], rng: np.random.Generator, names: Any = TRAINABLE) -> dict[str, Any]:
+    return {n: (rng.standard_normal(params[n].shape) * 10).astype(params[n].dtype) for n in names}
+
+
+@pytest.fixture
+def dp(comm: MPI.Comm) -> Any:
+    params = model(100 + comm.rank)
+    d = mpidp.DataParallel.initialize(params, comm, frozen=["frozen"])
+    d.params = params  # type: ignore[attr-defined]
+    yield d
+    d.close()
+
+
+# ---------------------------------------------------------------- initialize
+
+
+def test_initialize_broadcasts_from_nonzero_root_in_place(comm: MPI.Comm) -> None:
+    root = comm.size - 1
+    params = model(comm.rank)
+    before = {k: id(v) for k, v in params.items()}
+    expected = snapshot(model(root))
+    with mpidp.DataParallel.initialize(params, comm, root=root, frozen=["frozen"]) as dp:
+        assert (dp.rank, dp.world_size) == (comm.rank, comm.size)
+        assert {k: id(v) for k, v in params.items()} == before  # identities kept
+        assert params["embed"] is params["head"]  # still tied
+        assert snapshot(params) == expected  # root's values, frozen included
+        assert dp.names == tuple(sorted(params))
+        assert dp.trainable == ("bias", "big", "brain", "embed", "half")
+
+
+def test_initialize_accepts_any_insertion_order(comm: MPI.Comm) -> None:
+    params = model(0)
+    if comm.rank % 2:
+        params = dict(reversed(list(params.items())))
+    with mpidp.DataParallel.initialize(params, comm) as dp:
+        assert dp.names == tuple(sorted(params))
+
+
+def test_initialize_noncontiguous_parameter(comm: MPI.Comm) -> None:
+    base = np.random.default_rng(comm.rank).standard_normal((40, 30)).astype(np.float32)
+    params = {"t": base.T, "s": base[::2, 1]}  # views that are not C-contiguous
+    expected = np.random.default_rng(0).standard_normal((40, 30)).astype(np.float32)
+    with mpidp.DataParallel.initialize(params, comm):
+        assert np.array_equal(params["t"], expected.T)
+        assert np.array_equal(params["s"], expected[::2, 1])
+
+
+# -------------------------------------------------------------------- reduce
+
+
+def gathered_expectation(comm: MPI.Comm, grads: dict[str, Any], weight: int) -> tuple[dict[str, np.ndarray], int]:
+    """The formula, from every rank's data: sum of weighted ranks' grads / sum of weights, in float64."""
+    every = comm.allgather((weight, {k: v.astype(np.float64) for k, v in grads.items()}))
+    total = sum(w for w, _ in every)
+    out: dict[str, np.ndarray] = {}
+    for w, g in every:
+        if w == 0:
+            continue
+        for k, v in g.items():
+            out[k] = out.get(k, 0) + v
+    return {k: v / total for k, v in out.items()}, total
+
+
+TOL = {"float32": 1e-6, "float16": 1e-3, "bfloat16": 8e-3}
+
+
+def assert_close(got: np.ndarray, expected: np.ndarray, dtype: str) -> None:
+    scale = max(1.0, float(np.abs(expected).max()))
+    err = float(np.abs(got.astype(np.float64) - expected).max())
+    assert err <= TOL[dtype] * scale, (dtype, err, scale)
+
+
+def assert_same_on_every_rank(comm: MPI.Comm, gradients: dict[str, Any]) -> None:
+    mine = {k: (v.dtype.name, np.ascontiguousarray(v).tobytes()) for k, v in gradients.items()}
+    assert all(o == mine for o in comm.allgather(mine)), "results differ between ranks"
+
+
+def test_reduce_is_the_exact_global_token_mean(comm: MPI.Comm, dp: Any) -> None:
+    rng = np.random.default_rng(7 + comm.rank)
+    for window in range(4):
+        grads = grads_for(dp.params, rng)
+        # uneven weights; the last rank has no tokens in even windows
+        weight = 0 if (comm.rank == comm.size - 1 and window % 2 == 0 and comm.size > 1) else int(rng.integers(1, 1000))
+        expected, total = gathered_expectation(comm, grads, weight)
+        originals = {k: id(v) for k, v in grads.items()}
+        out = dp.reduce(grads, weight)
+        assert out.global_weight == total
+        assert sorted(out.gradients) == sorted(TRAINABLE)
+        for k, v in out.gradients.items():
+            assert v.dtype == dp.params[k].dtype and v.shape == dp.params[k].shape
+            assert id(v) == originals[k]  # written in place into the caller's arrays
+            assert_close(v, expected[k], v.dtype.name)
+        assert_same_on_every_rank(comm, out.gradients)
+
+
+def test_zero_weight_rank_gradients_are_ignored(comm: MPI.Comm, dp: Any) -> None:
+    rng = np.random.default_rng(comm.rank)
+    grads = grads_for(dp.params, rng)
+    weight = 3
+    if comm.rank == comm.size - 1 and comm.size > 1:
+        weight = 0
+        for g in grads.values():
+            g[...] = 1000  # would show if counted
+    expected, total = gathered_expectation(comm, grads, weight)
+    out = dp.reduce(grads, weight)
+    assert out.global_weight == total == 3 * max(1, comm.size - 1)
+    for k, v in out.gradients.items():
+        assert_close(v, expected[k], v.dtype.name)
+
+
+def test_zero_policy_and_globally_absent_entries(comm: MPI.Comm, dp: Any) -> None:
+    rng = np.random.default_rng(comm.rank)
+    # "bias" is present only on rank 0, "half" on no rank at all
+    names = [n for n in TRAINABLE if n != "half" and (n != "bias" or comm.rank == 0)]
+    grads = grads_for(dp.params, rng, names)
+    expected, total = gathered_expectation(comm, grads, 5)
+    out = dp.reduce(grads, 5, policy=ZERO)
+    assert "half" not in out.gradients  # absent everywhere: stays absent, like .grad None
+    assert sorted(out.gradients) == ["bias", "big", "brain", "embed"]
+    for k, v in out.gradients.items():
+        assert type(v) is np.ndarray and v.dtype == dp.params[k].dtype
+        assert_close(v, expected[k], v.dtype.name)
+    assert_same_on_every_rank(comm, out.gradients)
+
+
+def test_absent_on_every_weighted_rank_is_absent(comm: MPI.Comm, dp: Any) -> None:
+    """A gradient held only by a zero-weight rank does not make an entry present."""
+    rng = np.random.default_rng(comm.rank)
+    zero_rank = comm.size - 1
+    names = list(TRAINABLE) if comm.rank == zero_rank else [n for n in TRAINABLE if n != "bias"]
+    weight = 0 if comm.rank == zero_rank and comm.size > 1 else 2
+    grads = grads_for(dp.params, rng, names)
+    out = dp.reduce(grads, weight, policy=ZERO)
+    assert ("bias" in out.gradients) == (comm.size == 1)
+
+
+def test_tied_gradient_under_either_name(comm: MPI.Comm, dp: Any) -> None:
+    rng = np.random.default_rng(comm.rank)
+    grads = grads_for(dp.params, rng, [n for n in TRAINABLE if n != "embed"])
+    grads["head"] = (rng.standard_normal((64, 16))).astype(np.float32)
+    expected, _ = gathered_expectation(comm, {("embed" if k == "head" else k): v for k, v in grads.items()}, 1)
+    out = dp.reduce(grads, 1)
+    assert "head" in out.gradients and "embed" not in out.gradients
+    assert_close(out.gradients["head"], expected["embed"], "float32")
+
+
+def test_gradient_buffers_reduce_in_place(comm: MPI.Comm, dp: Any) -> None:
+    g = dp.gradient_buffers()
+    assert sorted(g) == sorted(TRAINABLE)
+    assert dp.gradient_buffers()["big"] is g["big"]  # persistent
+    assert all(float(np.abs(v.astype(np.float32)).max()) == 0 for v in g.values())
+    rng = np.random.default_rng(comm.rank)
+    for k, v in grads_for(dp.params, rng).items():
+        g[k][...] = v
+    expected, _ = gathered_expectation(comm, g, comm.rank + 1)
+    out = dp.reduce(g, comm.rank + 1)
+    for k, v in out.gradients.items():
+        assert v is g[k]
+        assert_close(v, expected[k], v.dtype.name)
+    dp.zero_gradients()
+    assert all(float(np.abs(v.astype(np.float32)).max()) == 0 for v in g.values())
+
+
+def test_noncontiguous_gradient(comm: MPI.Comm, dp: Any) -> None:
+    rng = np.random.default_rng(comm.rank)
+    grads = grads_for(dp.params, rng)
+    grads["embed"] = np.asfortranarray(grads["embed"])
+    expected, _ = gathered_expectation(comm, grads, 2)
+    out = dp.reduce(grads, 2)
+    assert out.gradients["embed"] is grads["embed"]
+    assert_close(out.gradients["embed"], expected["embed"], "float32")
+
+
+def test_weight_is_exact_python_int(comm: MPI.Comm, dp: Any) -> None:
+    rng = np.random.default_rng(comm.rank)
+    weight = (1 << 62) // comm.size + comm.rank
+    out = dp.reduce(grads_for(dp.params, rng), np.uint64(weight))
+    assert out.global_weight == sum(comm.allgather(weight))
+    assert type(out.global_weight) is int
+
+
+def test_reduce_allocates_no_model_sized_memory_after_the_first_window(comm: MPI.Comm) -> None:
+    rng = np.random.default_rng(comm.rank)
+    params = {f"w{i}": rng.standard_normal(400_000).astype(np.float32) for i in range(5)}
+    params.update({f"b{i}": rng.standard_normal(200_000).astype(BF16) for i in range(3)})
+    params.update({f"s{i}": rng.standard_normal(100).astype(np.float32) for i in range(20)})
+    model_bytes = sum(v.nbytes for v in params.values())
+    with mpidp.DataParallel.initialize(params, comm, chunk_bytes=1 << 20) as dp:
+        grads = {k: np.ones_like(v) for k, v in params.items()}
+        dp.reduce(grads, 1)
+        tracemalloc.start()
+        try:
+            dp.reduce(grads, 1)
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+    assert peak < model_bytes / 8, (peak, model_bytes)
+
+
+# -------------------------------------------------------------- errors
+
+
+@pytest.fixture(params=["one", "every"])
+def where(request: pytest.FixtureRequest, comm: MPI.Comm) -> tuple[bool, int]:
+    """Whether this rank holds the bad input, and the first rank that does."""
+    if request.param == "one":
+        bad = comm.size - 1
+        return comm.rank == bad, bad
+    return True, 0
+
+
+LOCAL_INIT_ERRORS = {
+    "int64": (lambda p: p.__setitem__("steps", np.zeros(3, np.int64)), "'steps'", "int64 arrays need explicit synchronization"),
+    "bool": (lambda p: p.__setitem__("mask", np.zeros(3, bool)), "'mask'", "bool arrays need explicit synchronization"),
+    "float64": (lambda p: p.__setitem__("big", np.zeros(3)), "'big'", "dtype float64 is not supported"),
+    "not an array": (lambda p: p.__setitem__("bias", [1.0, 2.0]), "'bias'", "list is not a NumPy, CuPy or PyTorch array"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(LOCAL_INIT_ERRORS))
+def test_initialize_refuses_bad_arrays_on_every_rank(comm: MPI.Comm, where: tuple[bool, int], case: str) -> None:
+    mine, bad = where
+    params = model(comm.rank)
+    spoil, *fragments = LOCAL_INIT_ERRORS[case]
+    if mine:
+        spoil(params)
+    before = snapshot({k: v for k, v in params.items() if isinstance(v, np.ndarray)})
+    same_error_everywhere(comm, lambda: mpidp.DataParallel.initialize(params, comm), ContractError, f"rank {bad}: ", *fragments)
+    assert snapshot({k: v for k, v in params.items() if isinstance(v, np.ndarray)}) == before
+
+
+def test_initialize_refuses_root_outside_world(comm: MPI.Comm, where: tuple[bool, int]) -> None:
+    mine, bad = where
+    params = model(comm.rank)
+    before = snapshot(params)
+    root = comm.size if mine else 0
+    same_error_everywhere(
+        comm, lambda: mpidp.DataParallel.initialize(params, comm, root=root), ContractError, f"rank {bad}: root {comm.size} is outside"
+    )
+    assert snapshot(params) == before
+
+
+def test_initialize_refuses_wrong_device(comm: MPI.Comm, where: tuple[bool, int]) -> None:
+    mine, bad = where
+    params = model(comm.rank)
+    device = "cuda:0" if mine else None
+    same_error_everywhere(
+        comm,
+        lambda: mpidp.DataParallel.initialize(params, comm, device=device),
+        ContractError,
+        f"rank {bad}: parameter 'bias' is on cpu, but this rank's device is cuda:0",
+    )
+
+
+def test_initialize_refuses_half_frozen_tie_and_unknown_frozen(comm: MPI.Comm, where: tuple[bool, int]) -> None:
+    mine, bad = where
+    params = model(comm.rank)
+    frozen = ["head"] if mine else []
+    same_error_everywhere(
+        comm, lambda: mpidp.DataParallel.initialize(params, comm, frozen=frozen), ContractError,
+        f"rank {bad}: tied parameters 'embed' and 'head' disagree on the trainable flag",
+    )
+    frozen = ["nope"] if mine else []
+    same_error_everywhere(
+        comm, lambda: mpidp.DataParallel.initialize(params, comm, frozen=frozen), ContractError,
+        f"rank {bad}: frozen names unknown parameter 'nope'",
+    )
+
+
+def test_initialize_refuses_non_mapping(comm: MPI.Comm) -> None:
+    same_error_everywhere(
+        comm, lambda: mpidp.DataParallel.initialize([np.zeros(3, np.float32)], comm), ContractError,
+        "rank 0: params must be a mapping",
+    )
+
+
+def _rename(p: dict[str, Any]) -> None:
+    p["bias_renamed"] = p.pop("bias")
+
+
+def _extra(p: dict[str, Any]) -> None:
+    p["zzz"] = np.zeros(2, np.float32)
+
+
+def _reshape(p: dict[str, Any]) -> None:
+    p["bias"] = np.zeros(8, np.float32)
+
+
+def _retype(p: dict[str, Any]) -> None:
+    p["bias"] = p["bias"].astype(np.float16)
+
+
+def _untie(p: dict[str, Any]) -> None:
+    p["head"] = p["head"].copy()
+
+
+MISMATCHES = {
+    "name": (_rename, {}, "entry 0 is 'bias_renamed', expected 'bias'"),
+    "count": (_extra, {}, "8 parameters, expected 7 (extra 'zzz')"),
+    "shape": (_reshape, {}, "parameter 'bias': shape (8,) differs from (7,)"),
+    "dtype": (_retype, {}, "parameter 'bias': dtype float16 differs from float32"),
+    "trainable": (lambda p: None, {"frozen": ["frozen", "bias"]}, "parameter 'bias': trainable False differs from True"),
+    "tie": (_untie, {}, "parameter 'head': untied, expected tied to 'embed'"),
+}
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("case", sorted(MISMATCHES))
+def test_initialize_names_the_first_difference_between_ranks(comm: MPI.Comm, case: str) -> None:
+    spoil, kwargs, fragment = MISMATCHES[case]
+    bad = comm.size - 1
+    params = model(comm.rank)
+    options: dict[str, Any] = {"frozen": ["frozen"]}
+    if comm.rank == bad:
+        spoil(params)
+        options.update(kwargs)
+    before = snapshot(params)
+    same_error_everywhere(
+        comm, lambda: mpidp.DataParallel.initialize(params, comm, **options), ContractError,
+        f"rank {bad} differs from rank 0: {fragment}",
+    )
+    assert snapshot(params) == before
+
+
+@pytest.mark.mpi(min_size=2)
+def test_initialize_refuses_ranks_disagreeing_on_chunk_bytes(comm: MPI.Comm) -> None:
+    chunk = 1 << 20 if comm.rank == comm.size - 1 else 4 << 20
+    same_error_everywhere(
+        comm, lambda: mpidp.DataParallel.initialize(model(0), comm, chunk_bytes=chunk), ContractError,
+        f"rank {comm.size - 1} uses chunk_bytes=1048576, rank 0 chunk_bytes=4194304",
+    )
+
+
+@pytest.mark.mpi(min_size=2)
+def test_initialize_refuses_ranks_disagreeing_on_root(comm: MPI.Comm) -> None:
+    root = 1 if comm.rank == comm.size - 1 else 0
+    same_error_everywhere(
+        comm, lambda: mpidp.DataParallel.initialize(model(0), comm, root=root), ContractError,
+        f"rank {comm.size - 1} broadcasts from root 1, rank 0 from root 0",
+    )
+
+
+def _grads_unknown(dp: Any, g: dict[str, Any]) -> None:
+    g["nope"] = np.zeros(3, np.float32)
+
+
+def _grads_frozen(dp: Any, g: dict[str, Any]) -> None:
+    g["frozen"] = np.zeros(4, np.float32)
+
+
+def _grads_shape(dp: Any, g: dict[str, Any]) -> None:
+    g["bias"] = np.zeros(6, np.float32)
+
+
+def _grads_dtype(dp: Any, g: dict[str, Any]) -> None:
+    g["half"] = g["half"].astype(np.float32)
+
+
+def _grads_missing(dp: Any, g: dict[str, Any]) -> None:
+    del g["brain"]
+
+
+def _grads_two_for_a_tie(dp: Any, g: dict[str, Any]) -> None:
+    g["head"] = g["embed"].copy()
+
+
+def _grads_not_array(dp: Any, g: dict[str, Any]) -> None:
+    g["bias"] = 3.0
+
+
+def _params_replaced(dp: Any, g: dict[str, Any]) -> None:
+    dp.params["bias"] = dp.params["bias"].copy()
+
+
+def _params_added(dp: Any, g: dict[str, Any]) -> None:
+    dp.params["extra"] = np.zeros(1, np.float32)
+
+
+REDUCE_ERRORS: dict[str, tuple[Any, Any, str]] = {
+    "unknown": (_grads_unknown, 1, "gradient for unknown parameter 'nope'"),
+    "frozen": (_grads_frozen, 1, "gradient for frozen parameter 'frozen'"),
+    "shape": (_grads_shape, 1, "gradient 'bias': shape (6,) differs from its parameter's (7,)"),
+    "dtype": (_grads_dtype, 1, "gradient 'half': dtype float32 differs from its parameter's float16"),
+    "missing": (_grads_missing, 1, "parameter 'brain' has no gradient (policy ERROR, local weight 1)"),
+    "tie": (_grads_two_for_a_tie, 1, "two gradients for one tied array: 'embed' and 'head'"),
+    "not an array": (_grads_not_array, 1, "gradient 'bias' is a float, not an array"),
+    "replaced": (_params_replaced, 1, "parameter 'bias' was replaced or removed after initialize"),
+    "added": (_params_added, 1, "the parameter mapping changed after initialize: 8 names, expected 7"),
+    "negative": (None, -1, "local_weight -1 is outside [0, 2**64 - 1]"),
+    "too big": (None, 1 << 64, f"local_weight {1 << 64} is outside"),
+    "float": (None, 2.0, "local_weight must be a non-negative int, got float 2.0"),
+    "bool": (None, True, "local_weight must be a non-negative int, got bool True"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REDUCE_ERRORS))
+def test_reduce_refuses_bad_input_on_every_rank(comm: MPI.Comm, dp: Any, where: tuple[bool, int], case: str) -> None:
+    mine, bad = where
+    spoil, bad_weight, fragment = REDUCE_ERRORS[case]
+    rng = np.random.default_rng(comm.rank)
+    grads = grads_for(dp.params, rng)
+    weight: Any = 1
+    saved_params = dict(dp.params)
+    if mine:
+        if spoil is not None:
+            spoil(dp, grads)
+        weight = bad_weight
+    before = snapshot({k: v for k, v in grads.items() if isinstance(v, np.ndarray)})
+    before_params = snapshot({k: v for k, v in dp.params.items()})
+    same_error_everywhere(comm, lambda: dp.reduce(grads, weight), ContractError, f"rank {bad}: {fragment}")
+    assert snapshot({k: v for k, v in grads.items() if isinstance(v, np.ndarray)}) == before
+    assert snapshot({k: v for k, v in dp.params.items()}) == before_params
+    # every rank stopped at the same point: the next good window works everywhere
+    dp.params.clear()
+    dp.params.update(saved_params)
+    out = dp.reduce(grads_for(dp.params, rng), 1)
+    assert out.global_weight == comm.size
+
+
+def test_reduce_refuses_a_zero_global_weight(comm: MPI.Comm, dp: Any) -> None:
+    grads = grads_for(dp.params, np.random.default_rng(0))
+    before = snapshot(grads)
+    same_error_everywhere(comm, lambda: dp.reduce(grads, 0), ContractError, "the global weight is 0")
+    assert snapshot(grads) == before
+
+
+def test_reduce_refuses_a_bad_policy(comm: MPI.Comm, dp: Any, where: tuple[bool, int]) -> None:
+    mine, bad = where
+    grads = grads_for(dp.params, np.random.default_rng(0))
+    policy: Any = "ZERO" if mine else ERROR
+    same_error_everywhere(
+        comm, lambda: dp.reduce(grads, 1, policy), ContractError, f"rank {bad}: policy must be a MissingGradientPolicy, got 'ZERO'"
+    )
+
+
+@pytest.mark.mpi(min_size=2)
+def test_reduce_refuses_ranks_disagreeing_on_policy(comm: MPI.Comm, dp: Any) -> None:
+    grads = grads_for(dp.params, np.random.default_rng(0))
+    policy = ZERO if comm.rank == comm.size - 1 else ERROR
+    before = snapshot(grads)
+    same_error_everywhere(
+        comm, lambda: dp.reduce(grads, 1, policy), ContractError,
+        f"ranks disagree on the missing-gradient policy: rank 0 uses ERROR, rank {comm.size - 1} uses ZERO",
+    )
+    assert snapshot(grads) == before
+
+
+@pytest.mark.mpi(min_size=2)
+def test_reduce_refuses_a_global_weight_beyond_64_bits(comm: MPI.Comm, dp: Any) -> None:
+    grads = grads_for(dp.params, np.random.default_rng(0))
+    same_error_everywhere(comm, lambda: dp.reduce(grads, 1 << 63), ContractError, "does not fit in 64 bits")
+
+
+def test_reduce_refuses_a_gradient_on_another_device(comm: MPI.Comm, dp: Any, where: tuple[bool, int]) -> None:
+    torch = pytest.importorskip("torch")
+    mine, bad = where
+    grads = grads_for(dp.params, np.random.default_rng(0))
+    if mine:
+        grads["bias"] = torch.empty(7, dtype=torch.float32, device="meta")
+    same_error_everywhere(
+        comm, lambda: dp.reduce(grads, 1), ContractError, f"rank {bad}: gradient 'bias': device meta:0 differs from its parameter's cpu"
+    )
+
+
+# -------------------------------------------------------------- utilities
+
+
+def test_verify_replicas(comm: MPI.Comm, dp: Any) -> None:
+    dp.verify_replicas()
+    if comm.size > 1:
+        if comm.rank == comm.size - 1:
+            dp.params["bias"][0] += 1
+        same_error_everywhere(
+            comm, dp.verify_replicas, ContractError, f"replicas differ from rank 0 on rank(s) {comm.size - 1}: parameter(s) 'bias'"
+        )
+
+
+def test_closed_instance_refuses_reduce(comm: MPI.Comm) -> None:
+    params = model(0)
+    dp = mpidp.DataParallel.initialize(params, comm)
+    dp.close()
+    dp.close()  # idempotent
+    with pytest.raises(ContractError, match="closed"):
+        dp.reduce({}, 1)
+
+
+def test_library_traffic_does_not_match_user_traffic(comm: MPI.Comm) -> None:
+    """A pending user message on the same communicator is not consumed by mpidp."""
+    if comm.size > 1:
+        req = comm.isend(comm.rank, dest=(comm.rank + 1) % comm.size, tag=0)
+    with mpidp.DataParallel.initialize(model(0), comm, frozen=["frozen"]) as dp:
+        dp.reduce(grads_for(model(0), np.random.default_rng(0)), 1)
+    if comm.size > 1:
+        assert comm.recv(source=(comm.rank - 1) % comm.size, tag=0) == (comm.rank - 1) % comm.size
+        req.wait()
+
+
+def test_import_mpidp_imports_no_framework() -> None:
+    code = "import sys, mpidp; bad = [m for m in ('torch', 'cupy', 'mpidp.examples') if m in sys.modules]; print(bad); assert not bad"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60, env=clean_env())

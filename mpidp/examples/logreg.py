@@ -49,8 +49,10 @@ def main(argv: list[str] | None = None) -> float:
     samples = 0
     loss = float("nan")
     for step in range(1, args.steps + 1):
-        # uneven shards: rank r draws up to 16 * (r + 1) samples; the last rank is empty every third window
-        n = 0 if (rank == size - 1 and step % 3 == 0) else int(rng.integers(0, 16 * (rank + 1) + 1))
+        # uneven shards: rank r draws up to 16 * (r + 1) samples (rank 0 at least 8, so that the
+        # global batch is never empty); the last rank is empty every third window
+        low = 8 if rank == 0 else 0
+        n = 0 if (rank == size - 1 and step % 3 == 0 and size > 1) else int(rng.integers(low, 16 * (rank + 1) + 1))
         x, y = batch(rng, w_true, n)
         p = 1 / (1 + np.exp(-(x @ params["w"] + params["b"])))
         eps = 1e-7

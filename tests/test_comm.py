@@ -1,0 +1,48 @@
+"""The communicator module: restricted unpickling, private duplicate, MPI failures as CollectiveError."""
+
+from __future__ import annotations
+
+import collections
+import pickle
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from mpidp import CollectiveError
+from mpidp.comm import Communicator, loads
+
+
+def test_loads_admits_plain_data() -> None:
+    value = ((("w", (3, 4), "float32", True, 0),), 0, 4096, None, {"a": [1.5, b"x"]})
+    assert loads(pickle.dumps(value)) == value
+
+
+@pytest.mark.parametrize("obj", [collections.OrderedDict(a=1), np.float32(1), print])
+def test_loads_refuses_any_global(obj: object) -> None:
+    with pytest.raises(pickle.UnpicklingError, match="refusing to load global"):
+        loads(pickle.dumps(obj))
+
+
+def test_allgather_obj_and_buffers(comm: MPI.Comm) -> None:
+    c = Communicator(comm)
+    try:
+        assert c.comm != comm and c.comm.Compare(comm) == MPI.CONGRUENT
+        assert c.allgather_obj(("rank", c.rank, "x" * c.rank)) == [("rank", r, "x" * r) for r in range(c.size)]
+        table = c.Allgather(np.array([c.rank, 7], np.uint64), "test")
+        assert table.tolist() == [[r, 7] for r in range(c.size)]
+        buf = np.full(10, c.rank + 1, np.float32)
+        c.Allreduce(buf)
+        assert (buf == sum(range(1, c.size + 1))).all()
+    finally:
+        c.close()
+
+
+def test_mpi_failure_is_a_collective_error_with_the_mpi_cause(comm: MPI.Comm) -> None:
+    c = Communicator(comm)
+    try:
+        with pytest.raises(CollectiveError, match="Bcast failed on rank") as info:
+            c.Bcast(np.zeros(3, np.float32), root=c.size + 5)  # an invalid root, caught by MPI on every rank
+        assert isinstance(info.value.__cause__, MPI.Exception)
+    finally:
+        c.close()

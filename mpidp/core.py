@@ -75,7 +75,7 @@ class DataParallel:
         self._sizes = tuple(self._infos[i].size for i in self._slots)
         self._plans: dict[bytes, tuple[Call, ...]] = {}
         self._words = (len(self._slots) + 63) // 64
-        self.window = 0
+        self._window = 0
         self._closed = False
         self._flat: dict[str, Any] | None = None  # dtype -> flat gradient storage
         self._flat_views: dict[str, Any] = {}
@@ -177,6 +177,11 @@ class DataParallel:
         return self._comm.size
 
     @property
+    def window(self) -> int:
+        """Number of :meth:`reduce` calls so far (each one is a window, failed ones included)."""
+        return self._window
+
+    @property
     def names(self) -> tuple[str, ...]:
         """Every parameter name, in contract (sorted) order."""
         return tuple(e.name for e in self._contract)
@@ -253,7 +258,7 @@ class DataParallel:
         """
         if self._closed:
             raise ContractError("this DataParallel is closed")
-        self.window += 1
+        self._window += 1
         n = len(self._slots)
         local: list[Any] = [None] * n
         names: list[str | None] = [None] * n
@@ -277,11 +282,17 @@ class DataParallel:
                 f"parameter {missing!r} has no gradient (policy ERROR, local weight {weight}); "
                 "pass policy=MissingGradientPolicy.ZERO if it is legitimately unused"
             )
-        record = np.zeros(3 + self._words, dtype=np.uint64)
-        record[:3] = (weight, code, error is not None)
-        record[3:].view(np.uint8)[: (n + 7) // 8] = np.packbits(present)
-        table = self._comm.Allgather(record, f"reduce (window {self.window}): exchange")
+        record = np.zeros(4 + self._words, dtype=np.uint64)
+        record[:4] = (weight, code, error is not None, self._window)
+        record[4:].view(np.uint8)[: (n + 7) // 8] = np.packbits(present)
+        table = self._comm.Allgather(record, f"reduce (window {self._window}): exchange")
         self._agree(table[:, 2], error)
+        if (table[:, 3] != self._window).any():
+            other = int(np.argmax(table[:, 3] != table[0, 3]))
+            raise ContractError(
+                f"ranks are in different windows: rank 0 in window {table[0, 3]}, rank {other} in window "
+                f"{table[other, 3]} (a rank skipped or added a reduce)"
+            )
         codes = table[:, 1]
         if (codes != codes[0]).any():
             other = int(np.argmax(codes != codes[0]))
@@ -294,7 +305,7 @@ class DataParallel:
             raise ContractError(f"the global weight {global_weight} does not fit in 64 bits")
         if global_weight == 0:
             raise ContractError("the global weight is 0: no rank has a token in this window, nothing to normalize")
-        weighted = table[table[:, 0] > 0, 3:]
+        weighted = table[table[:, 0] > 0, 4:]
         bits = np.bitwise_or.reduce(weighted, axis=0).view(np.uint8)
         key = bits.tobytes()
         calls = self._plans.get(key)
@@ -332,7 +343,7 @@ class DataParallel:
                 v[...] = 0
             slots[index] = slot(v)
             out[names[index] or self._contract[head].name] = g
-        label = f"reduce (window {self.window}): Allreduce"
+        label = f"reduce (window {self._window}): Allreduce"
         reduce_calls(calls, slots, self._stage, lambda b: self._comm.Allreduce(b, label), np.float32(global_weight))
         return out
 

@@ -490,6 +490,17 @@ def test_reduce_refuses_ranks_disagreeing_on_policy(comm: MPI.Comm, dp: Any) -> 
 
 
 @pytest.mark.mpi(min_size=2)
+def test_reduce_refuses_ranks_in_different_windows(comm: MPI.Comm, dp: Any) -> None:
+    grads = grads_for(dp.params, np.random.default_rng(0))
+    if comm.rank == comm.size - 1:
+        dp._window += 1  # as if this rank had run one reduce more than the others
+    same_error_everywhere(
+        comm, lambda: dp.reduce(grads, 1), ContractError,
+        f"ranks are in different windows: rank 0 in window 1, rank {comm.size - 1} in window 2",
+    )
+
+
+@pytest.mark.mpi(min_size=2)
 def test_reduce_refuses_a_global_weight_beyond_64_bits(comm: MPI.Comm, dp: Any) -> None:
     grads = grads_for(dp.params, np.random.default_rng(0))
     same_error_everywhere(comm, lambda: dp.reduce(grads, 1 << 63), ContractError, "does not fit in 64 bits")

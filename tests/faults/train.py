@@ -1,0 +1,47 @@
+"""A small training loop that misbehaves on purpose; run by tests/test_faults.py.
+
+``python train.py MODE [WINDOWS]`` under ``mpiexec -n 4`` (plain python, not
+``-m mpi4py``: the point is what mpidp itself does). MODE:
+
+- ``ok``: train and exit 0.
+- ``raise``: rank 2 raises an uncaught exception outside any mpidp call.
+- ``kill``: rank 1 kills itself with SIGKILL in the middle of training.
+- ``skip``: rank 3 skips one reduce and waits in the user's own barrier; the
+  others wait in mpidp's exchange until the watchdog (MPIDP_TIMEOUT) aborts.
+"""
+
+import os
+import signal
+import sys
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+import mpidp
+
+mode = sys.argv[1]
+windows = int(sys.argv[2]) if len(sys.argv) > 2 else 20
+comm = MPI.COMM_WORLD
+rank = comm.rank
+params = {"w": np.zeros(1000, np.float32), "b": np.zeros(10, np.float32)}
+dp = mpidp.DataParallel.initialize(params, comm)
+grads = dp.gradient_buffers()
+for window in range(windows):
+    if window == 5:
+        if mode == "raise" and rank == 2:
+            print(f"rank {rank}: raising at {time.time():.3f}", flush=True)
+            raise RuntimeError("boom outside mpidp")
+        if mode == "kill" and rank == 1:
+            print(f"rank {rank}: killing myself at {time.time():.3f}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        if mode == "skip" and rank == 3:
+            print(f"rank {rank}: skipping a reduce at {time.time():.3f}", flush=True)
+            comm.Barrier()  # the user's own collective: mpidp's watchdog is not armed here
+    for g in grads.values():
+        g[...] = rank + 1
+    out = dp.reduce(grads, 1)
+    params["w"] -= 0.1 * out.gradients["w"]
+dp.verify_replicas()
+dp.close()
+print(f"rank {rank}: done", flush=True)

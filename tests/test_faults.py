@@ -1,0 +1,76 @@
+"""Faults in a real job: plain ``mpiexec -n 4 python script.py`` never hangs.
+
+Each case starts its own 4-rank job in a subprocess with a hard timeout, so
+these tests run in the serial session only (a world of one).
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import clean_env
+from mpi4py import MPI
+
+SCRIPT = Path(__file__).with_name("faults") / "train.py"
+MPIEXEC = str(Path(sys.executable).with_name("mpiexec"))
+
+pytestmark = pytest.mark.skipif(MPI.COMM_WORLD.Get_size() > 1, reason="starts its own MPI job")
+
+
+def job(mode: str, *, timeout: float = 60, **env: str) -> tuple[int, str, float]:
+    """Run the fault script on 4 ranks; return (exit code, output, seconds from the fault to the end)."""
+    start = time.time()
+    p = subprocess.run(
+        [MPIEXEC, "-n", "4", sys.executable, str(SCRIPT), mode],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout, env=clean_env(**env),
+    )
+    end = time.time()
+    fault = [float(line.rsplit(" at ", 1)[1]) for line in p.stdout.splitlines() if " at " in line and line.startswith("rank ")]
+    return p.returncode, p.stdout, end - (fault[0] if fault else start)
+
+
+def test_a_clean_job_exits_zero() -> None:
+    code, out, _ = job("ok")
+    assert code == 0, out
+    assert out.count("done") == 4
+
+
+def test_uncaught_exception_on_one_rank_aborts_the_job() -> None:
+    code, out, after = job("raise")
+    assert code != 0, out
+    assert "mpidp: uncaught RuntimeError on rank 2; aborting the MPI job" in out
+    assert "boom outside mpidp" in out  # that rank's traceback
+    assert after <= 5, f"the job took {after:.1f} s to end after the exception"
+
+
+def test_a_rank_killed_mid_training_ends_the_job() -> None:
+    code, out, after = job("kill")
+    assert code != 0, out
+    assert "done" not in out
+    assert after <= 10, f"the job took {after:.1f} s to end after the kill"
+
+
+def test_watchdog_aborts_a_rank_that_skipped_a_reduce() -> None:
+    code, out, after = job("skip", MPIDP_TIMEOUT="3")
+    assert code != 0, out
+    assert re.search(r"mpidp watchdog: rank [012] has waited [\d.]+ s in reduce \(window 6\): exchange", out), out
+    assert "Thread" in out and "train.py" in out  # the stacks
+    assert after <= 3 + 5, f"the job took {after:.1f} s to end after the skip"
+
+
+def test_abort_hook_can_be_turned_off(tmp_path: Path) -> None:
+    """With abort_on_exception=False a single-rank script just raises (exit 1, normal traceback)."""
+    script = tmp_path / "off.py"
+    script.write_text(
+        "import numpy as np, mpidp, sys\n"
+        "dp = mpidp.DataParallel.initialize({'w': np.zeros(3, np.float32)}, abort_on_exception=False)\n"
+        "print('hooked' if sys.excepthook is not sys.__excepthook__ else 'not hooked')\n"
+    )
+    p = subprocess.run([MPIEXEC, "-n", "2", sys.executable, str(script)], capture_output=True, text=True,
+                       timeout=60, env=clean_env())
+    assert p.returncode == 0 and p.stdout.count("not hooked") == 2, p.stdout + p.stderr

@@ -12,7 +12,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-__all__ = ["ArrayInfo", "describe", "view", "empty_like", "zeros_like", "flat_zeros", "FLOATING", "BFLOAT16"]
+__all__ = ["BFLOAT16", "FLOATING", "ArrayInfo", "describe", "empty_like", "flat_zeros", "view", "zeros_like"]
 
 BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 #: dtypes mpidp synchronises; everything else is refused.

@@ -11,7 +11,7 @@ from typing import Any, NamedTuple
 
 from .arrays import FLOATING, ArrayInfo, describe
 
-__all__ = ["Entry", "Contract", "build", "diff"]
+__all__ = ["Contract", "Entry", "build", "diff"]
 
 
 class Entry(NamedTuple):

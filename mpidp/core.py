@@ -423,7 +423,7 @@ class DataParallel:
             self._watchdog.close()
         self._comm.close()
 
-    def __enter__(self) -> DataParallel:
+    def __enter__(self) -> DataParallel:  # noqa: PYI034 - Self needs Python 3.11
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -434,4 +434,5 @@ def _bytes(v: Any) -> memoryview:
     """Return the bytes of a host view (device arrays are copied to the host)."""
     if not isinstance(v, np.ndarray):
         v = v.get()
-    return memoryview(np.ascontiguousarray(v).reshape(-1).view(np.uint8))
+    data: Any = np.ascontiguousarray(v).reshape(-1).view(np.uint8)
+    return memoryview(data)

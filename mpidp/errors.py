@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["DataParallelError", "ContractError", "CollectiveError"]
+__all__ = ["CollectiveError", "ContractError", "DataParallelError"]
 
 
 class DataParallelError(Exception):

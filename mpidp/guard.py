@@ -15,7 +15,7 @@ from mpi4py import MPI
 if TYPE_CHECKING:
     from .comm import Communicator
 
-__all__ = ["install_abort_hook", "Watchdog", "timeout_from_env"]
+__all__ = ["Watchdog", "install_abort_hook", "timeout_from_env"]
 
 _installed = False
 

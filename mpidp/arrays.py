@@ -67,6 +67,17 @@ def describe(x: Any) -> ArrayInfo | None:
     return ArrayInfo("numpy", dtype, x.shape, "cpu")
 
 
+def current_device(backend: str) -> str:
+    """Return the CUDA device that ``backend`` (torch or cupy) currently allocates on."""
+    if backend == "torch":
+        import torch
+
+        return f"cuda:{torch.cuda.current_device()}"
+    import cupy
+
+    return f"cuda:{cupy.cuda.runtime.getDevice()}"
+
+
 def view(x: Any) -> Any:
     """Return a NumPy (host) or CuPy (device) array sharing ``x``'s memory.
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
+from . import arrays
 from .arrays import FLOATING, ArrayInfo, describe
 
 __all__ = ["Contract", "Entry", "build", "diff"]
@@ -34,14 +35,16 @@ class Local(NamedTuple):
     arrays: tuple[Any, ...]  # contract order
     infos: tuple[ArrayInfo, ...]
     error: str | None
+    device: str = "cpu"  # this rank's device
 
 
 def build(params: Any, frozen: Any, device: str | None) -> Local:
     """Build this rank's contract and the first local error, communicating nothing.
 
     Entries are ordered by name, so ranks agree whatever order their
-    mappings were filled in. ``device`` None means "the device of the first
-    array" (checked for agreement among all arrays).
+    mappings were filled in. ``device`` None means "cpu" for host arrays and
+    the current CUDA device of the first array's backend for GPU arrays;
+    every array must be on it.
     """
     if not isinstance(params, Mapping):
         return Local((), (), (), f"params must be a mapping of names to arrays, got {type(params).__name__}")
@@ -59,7 +62,7 @@ def build(params: Any, frozen: Any, device: str | None) -> Local:
     if unknown:
         error = f"frozen names unknown parameter {unknown[0]!r}"
     entries: list[Entry] = []
-    arrays: list[Any] = []
+    values: list[Any] = []
     infos: list[ArrayInfo] = []
     first: dict[int, int] = {}
     for index, name in enumerate(names):
@@ -76,7 +79,7 @@ def build(params: Any, frozen: Any, device: str | None) -> Local:
         elif info.dtype not in FLOATING:
             error = error or f"parameter {name!r}: dtype {info.dtype} is not supported (float32, float16, bfloat16)"
         elif device is None:
-            device = info.device
+            device = info.device if info.device == "cpu" else arrays.current_device(info.backend)
         if error is None and info.device != device:
             error = f"parameter {name!r} is on {info.device}, but this rank's device is {device}"
         alias = first.setdefault(id(array), index)
@@ -89,9 +92,9 @@ def build(params: Any, frozen: Any, device: str | None) -> Local:
                     "(freeze all names of a tied array or none)"
                 )
         entries.append(Entry(name, info.shape, info.dtype, trainable, alias))
-        arrays.append(array)
+        values.append(array)
         infos.append(info)
-    return Local(tuple(entries), tuple(arrays), tuple(infos), error)
+    return Local(tuple(entries), tuple(values), tuple(infos), error, device or "cpu")
 
 
 def diff(mine: Contract, theirs: Contract) -> str | None:

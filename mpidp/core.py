@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from . import arrays, contract, guard
+from . import arrays, contract, cuda, guard
 from .comm import Communicator
 from .errors import ContractError
 from .packing import DEFAULT_CHUNK_BYTES, Call, bcast_calls, plan, reduce_calls, slot
@@ -55,12 +55,15 @@ class DataParallel:
         local: contract.Local,
         chunk_bytes: int,
         watchdog: guard.Watchdog | None,
+        cuda_aware: tuple[bool, str],
     ) -> None:
         self._comm = comm
         self._params = params
         self._contract = local.contract
         self._arrays = local.arrays
         self._infos = local.infos
+        self._device = local.device
+        self._cuda_aware = cuda_aware
         self._chunk_bytes = chunk_bytes
         self._watchdog = watchdog
         self._stage = np.empty(chunk_bytes // 4, dtype=np.float32)
@@ -125,6 +128,12 @@ class DataParallel:
         try:
             local = contract.build(params, frozen, device)
             error = local.error
+            aware = (False, "host arrays")
+            if local.device != "cpu":
+                try:
+                    aware = cuda.detect(c.comm)
+                except ValueError as e:
+                    error = error or str(e)
             if isinstance(root, bool) or not isinstance(root, numbers.Integral) or not 0 <= root < c.size:
                 error = error or f"root {root!r} is outside the world of {c.size} ranks"
                 root = -1
@@ -146,7 +155,7 @@ class DataParallel:
                     raise ContractError(f"rank {rank} broadcasts from root {r}, rank 0 from root {head[1]}")
                 if chunk != head[2]:
                     raise ContractError(f"rank {rank} uses chunk_bytes={chunk}, rank 0 chunk_bytes={head[2]}")
-            self = cls(c, params, local, int(chunk_bytes) // 4 * 4, watchdog)
+            self = cls(c, params, local, int(chunk_bytes) // 4 * 4, watchdog, aware)
             self._broadcast(int(root))
         except BaseException:
             if watchdog is not None:
@@ -175,6 +184,16 @@ class DataParallel:
     def world_size(self) -> int:
         """Number of replicas."""
         return self._comm.size
+
+    @property
+    def device(self) -> str:
+        """This rank's device: ``"cpu"`` or ``"cuda:N"``; every array must live there."""
+        return self._device
+
+    @property
+    def cuda_aware(self) -> tuple[bool, str]:
+        """Whether device buffers are handed to MPI directly, and why (False: staged through the host)."""
+        return self._cuda_aware
 
     @property
     def window(self) -> int:

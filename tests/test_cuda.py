@@ -1,0 +1,104 @@
+"""CUDA-awareness detection and device selection; GPU paths skip without a GPU."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import mpidp
+from mpidp import cuda
+
+
+@pytest.mark.parametrize(
+    ("override", "kinds", "query", "aware", "reason"),
+    [
+        ("1", "mpi,system", 0, True, "MPIDP_CUDA_AWARE=1"),
+        ("0", "mpi,system,cuda", 1, False, "MPIDP_CUDA_AWARE=0"),
+        (None, "mpi,system,cuda:device,cuda:host", None, True, "mpi_memory_alloc_kinds=mpi,system,cuda:device,cuda:host"),
+        (None, "mpi,system,cuda", 0, True, "mpi_memory_alloc_kinds=mpi,system,cuda"),
+        (None, "mpi,system", 1, True, "MPIX_Query_cuda_support() = 1"),
+        (None, "mpi,system", 0, False, "MPIX_Query_cuda_support() = 0"),
+        (None, "mpi,system", None, False, "mpi_memory_alloc_kinds=mpi,system"),
+        (None, None, None, False, "the MPI library reports no CUDA support"),
+        ("", None, 1, True, "MPIX_Query_cuda_support() = 1"),
+        (None, "mpi,system,rocm", None, False, "mpi_memory_alloc_kinds=mpi,system,rocm"),
+    ],
+)
+def test_decide(override: str | None, kinds: str | None, query: int | None, aware: bool, reason: str) -> None:
+    assert cuda.decide(override, kinds, query) == (aware, reason)
+
+
+def test_decide_refuses_a_bad_override() -> None:
+    with pytest.raises(ValueError, match="MPIDP_CUDA_AWARE must be 0 or 1, got 'maybe'"):
+        cuda.decide("maybe", None, None)
+
+
+def test_detect_on_this_mpi(comm: MPI.Comm) -> None:
+    assert cuda.detect(comm, env={"MPIDP_CUDA_AWARE": "1"}) == (True, "MPIDP_CUDA_AWARE=1")
+    aware, reason = cuda.detect(comm, env={})
+    if "MPICH" in MPI.Get_library_version() and "cuda" not in reason:
+        assert aware is False  # the MPICH wheel is not CUDA-aware
+
+
+def test_local_rank(comm: MPI.Comm) -> None:
+    ranks = comm.allgather((MPI.Get_processor_name(), cuda.local_rank(comm)))
+    for host in {h for h, _ in ranks}:
+        assert sorted(r for h, r in ranks if h == host) == list(range(sum(1 for h, _ in ranks if h == host)))
+
+
+cupy = None
+try:  # a GPU is needed for anything below
+    import cupy  # type: ignore[no-redef]
+
+    if cupy.cuda.runtime.getDeviceCount() < 1:
+        cupy = None
+except Exception:  # noqa: BLE001 - no CuPy, no driver or no device: skip
+    cupy = None
+
+needs_gpu = pytest.mark.skipif(cupy is None, reason="needs CuPy and a GPU")
+
+
+@needs_gpu
+@pytest.mark.parametrize("aware", ["0", "1"])
+def test_cupy_reduce_matches_numpy(comm: MPI.Comm, aware: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    import ml_dtypes
+
+    if aware == "1" and not cuda.detect(comm)[0]:
+        pytest.skip("this MPI is not CUDA-aware")
+    monkeypatch.setenv("MPIDP_CUDA_AWARE", aware)
+    device = cuda.select_device(comm)
+    rng = np.random.default_rng(comm.rank)
+    host = {
+        "w": rng.standard_normal((300, 70)).astype(np.float32),
+        "b": rng.standard_normal(9).astype(np.float16),
+        "e": rng.standard_normal((40, 3)).astype(ml_dtypes.bfloat16),
+    }
+    params = {k: cupy.asarray(v) for k, v in host.items()}
+    with mpidp.DataParallel.initialize(params, comm) as dp:
+        assert dp.device == f"cuda:{device}"
+        expected0 = comm.bcast(host, root=0)
+        for k in host:
+            assert np.array_equal(cupy.asnumpy(params[k]), expected0[k])
+        grads = {k: cupy.asarray(rng.standard_normal(v.shape).astype(v.dtype)) for k, v in host.items()}
+        every = comm.allgather({k: cupy.asnumpy(g).astype(np.float64) for k, g in grads.items()})
+        out = dp.reduce(grads, comm.rank + 1)
+        total = sum(range(1, comm.size + 1))
+        for k, g in out.gradients.items():
+            assert isinstance(g, cupy.ndarray) and g.dtype == params[k].dtype
+            exact = sum(e[k] for e in every) / total
+            tol = {"float32": 1e-6, "float16": 1e-3, "bfloat16": 8e-3}[g.dtype.name]
+            assert np.abs(cupy.asnumpy(g).astype(np.float64) - exact).max() <= tol * max(1, np.abs(exact).max())
+        mine = {k: cupy.asnumpy(g).tobytes() for k, g in out.gradients.items()}
+        assert all(o == mine for o in comm.allgather(mine))
+
+
+@needs_gpu
+def test_cupy_array_on_another_device_is_refused(comm: MPI.Comm) -> None:
+    from conftest import same_error_everywhere
+
+    cuda.select_device(comm)
+    params = {"w": cupy.zeros(3, dtype=cupy.float32)}
+    same_error_everywhere(
+        comm, lambda: mpidp.DataParallel.initialize(params, comm, device="cuda:99"), mpidp.ContractError, "is on cuda:"
+    )

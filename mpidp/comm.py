@@ -48,6 +48,36 @@ class Communicator:
         self.size: int = self.comm.Get_size()
         self.operation: str | None = None  # the collective this rank is in, if any
         self.since = 0.0
+        self.cuda_aware = False
+        self._pinned: np.ndarray | None = None  # host staging for device buffers
+
+    def use_device(self, cuda_aware: bool, chunk_bytes: int) -> None:
+        """Prepare for device buffers: hand them to MPI directly, or stage them through pinned host memory."""
+        self.cuda_aware = cuda_aware
+        if not cuda_aware and self._pinned is None:
+            import cupy
+
+            memory = cupy.cuda.alloc_pinned_memory(chunk_bytes)
+            self._pinned = np.frombuffer(memory, dtype=np.uint8, count=chunk_bytes)
+
+    def _device(self, buf: Any, move: Any) -> None:
+        """Run ``move(buffer)`` on device array ``buf``: directly, or through the pinned host stage.
+
+        The current stream is synchronised first, so MPI never reads memory a
+        kernel is still writing; a device pointer never reaches an MPI that
+        is not CUDA-aware.
+        """
+        import cupy
+
+        cupy.cuda.get_current_stream().synchronize()
+        if self.cuda_aware:
+            move(buf)
+            return
+        assert self._pinned is not None, "use_device() was not called"
+        host = self._pinned[: buf.nbytes].view(buf.dtype)
+        buf.get(out=host)
+        move(host)
+        buf.set(host)
 
     def close(self) -> None:
         """Free the duplicate communicator (collective)."""
@@ -94,20 +124,26 @@ class Communicator:
         return out
 
     def Bcast(self, buf: Any, root: int, operation: str = "Bcast") -> None:
-        """Broadcast ``buf`` (bytes-like or a buffer spec) from ``root`` in place."""
+        """Broadcast host or device array ``buf`` from ``root`` in place."""
         self._enter(operation)
         try:
-            self.comm.Bcast(buf, root)
+            if isinstance(buf, np.ndarray):
+                self.comm.Bcast(buf, root)
+            else:
+                self._device(buf, lambda b: self.comm.Bcast(b, root))
         except MPI.Exception as e:
             raise self._fail(operation, e) from e
         finally:
             self.operation = None
 
     def Allreduce(self, buf: Any, operation: str = "Allreduce") -> None:
-        """Sum a float32 buffer over all ranks in place."""
+        """Sum a float32 buffer (host or device) over all ranks in place."""
         self._enter(operation)
         try:
-            self.comm.Allreduce(MPI.IN_PLACE, buf, MPI.SUM)
+            if isinstance(buf, np.ndarray):
+                self.comm.Allreduce(MPI.IN_PLACE, buf, MPI.SUM)
+            else:
+                self._device(buf, lambda b: self.comm.Allreduce(MPI.IN_PLACE, b, MPI.SUM))
         except MPI.Exception as e:
             raise self._fail(operation, e) from e
         finally:

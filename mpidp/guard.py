@@ -61,7 +61,8 @@ class Watchdog:
     """Abort the job when this rank waits in one mpidp collective longer than ``timeout``.
 
     Before aborting it prints the operation, the rank and every thread's
-    stack to stderr. Runs as a daemon thread that only reads two fields of
+    stack to stderr, then waits a moment so that every other waiting rank
+    prints its report too. Runs as a daemon thread that only reads two fields of
     the communicator, so the collective path pays nothing but a timestamp.
     """
 
@@ -91,4 +92,6 @@ class Watchdog:
             sys.stderr.flush()
             faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
             sys.stderr.flush()
+            # let the other waiting ranks print their own report before the job goes down
+            time.sleep(min(2.0, self.timeout / 2))
             MPI.COMM_WORLD.Abort(1)

@@ -14,7 +14,7 @@ from mpi4py import MPI
 
 from . import arrays, contract, cuda, guard
 from .comm import Communicator
-from .errors import ContractError
+from .errors import CollectiveError, ContractError
 from .packing import DEFAULT_CHUNK_BYTES, Call, bcast_calls, plan, reduce_calls, slot
 
 __all__ = ["DataParallel", "MissingGradientPolicy", "ReducedGradients"]
@@ -80,6 +80,7 @@ class DataParallel:
         self._words = (len(self._slots) + 63) // 64
         self._window = 0
         self._closed = False
+        self._failed: str | None = None  # set by the first CollectiveError: the session is unusable
         self._flat: dict[str, Any] | None = None  # dtype -> flat gradient storage
         self._flat_views: dict[str, Any] = {}
 
@@ -273,10 +274,11 @@ class DataParallel:
         Raises ContractError identically on every rank, before anything is
         modified, when any rank's input is invalid, ranks disagree on the
         policy, or the global weight is 0. Raises CollectiveError if MPI
-        fails; the gradient arrays are then unspecified.
+        fails while gradients move: like the reference design, which consumes
+        its input, the gradient arrays are then unspecified, and every later
+        call on this session raises CollectiveError too.
         """
-        if self._closed:
-            raise ContractError("this DataParallel is closed")
+        self._usable()
         self._window += 1
         n = len(self._slots)
         local: list[Any] = [None] * n
@@ -331,7 +333,18 @@ class DataParallel:
         globally = np.unpackbits(bits, count=n).astype(bool)
         if calls is None:
             calls = self._plans[key] = plan(self._sizes, globally.tolist(), len(self._stage))
-        return ReducedGradients(self._reduce(calls, globally, local, names, weight, global_weight), global_weight)
+        try:
+            gradients = self._reduce(calls, globally, local, names, weight, global_weight)
+        except CollectiveError as e:
+            self._failed = str(e)
+            raise
+        return ReducedGradients(gradients, global_weight)
+
+    def _usable(self) -> None:
+        if self._closed:
+            raise ContractError("this DataParallel is closed")
+        if self._failed is not None:
+            raise CollectiveError(f"an earlier collective failed ({self._failed}); this DataParallel cannot be used")
 
     def _agree(self, flags: np.ndarray, error: str | None) -> None:
         """Raise every rank's first local error on every rank (collective only if one exists)."""
@@ -415,6 +428,7 @@ class DataParallel:
         ContractError on every rank naming the parameters and ranks that
         differ (and nothing moves but one small Allgather).
         """
+        self._usable()
         error = self._check_replica()
         heads = [i for i, e in enumerate(self._contract) if e.alias == i]
         record = np.zeros(1 + len(heads), dtype=np.uint64)

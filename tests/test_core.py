@@ -553,3 +553,16 @@ def test_library_traffic_does_not_match_user_traffic(comm: MPI.Comm) -> None:
 def test_import_mpidp_imports_no_framework() -> None:
     code = "import sys, mpidp; bad = [m for m in ('torch', 'cupy', 'mpidp.examples') if m in sys.modules]; print(bad); assert not bad"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60, env=clean_env())
+
+
+def test_a_failed_collective_poisons_the_session(comm: MPI.Comm, dp: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(buf: Any, operation: str = "Allreduce") -> None:
+        raise mpidp.CollectiveError(f"{operation} failed on rank {comm.rank}: simulated")
+
+    grads = grads_for(dp.params, np.random.default_rng(0))
+    monkeypatch.setattr(dp._comm, "Allreduce", broken)
+    with pytest.raises(mpidp.CollectiveError, match="simulated"):
+        dp.reduce(grads, 1)
+    monkeypatch.undo()
+    with pytest.raises(mpidp.CollectiveError, match="an earlier collective failed"):
+        dp.reduce(grads, 1)

@@ -66,7 +66,13 @@ class DataParallel:
         self._cuda_aware = cuda_aware
         self._chunk_bytes = chunk_bytes
         self._watchdog = watchdog
-        self._stage = np.empty(chunk_bytes // 4, dtype=np.float32)
+        self._stage: Any = np.empty(chunk_bytes // 4, dtype=np.float32)
+        if self._device != "cpu":  # upcast, scale and downcast on the device
+            import cupy
+
+            with cupy.cuda.Device(int(self._device.split(":")[1])):
+                self._stage = cupy.empty(chunk_bytes // 4, dtype=cupy.float32)
+            comm.use_device(cuda_aware[0], chunk_bytes)
         #: contract indices of the trainable tie-group heads: one reduction slot each
         self._slots = tuple(i for i, e in enumerate(self._contract) if e.trainable and e.alias == i)
         slot_of_head = {head: s for s, head in enumerate(self._slots)}

@@ -16,6 +16,8 @@ from typing import Any, NamedTuple
 import numpy as np
 from mpi4py import MPI
 
+from . import arrays
+
 __all__ = ["Segment", "Call", "plan", "Slot", "slot", "reduce_calls", "bcast_calls", "DEFAULT_CHUNK_BYTES"]
 
 #: Default chunk size in bytes. Measured with benchmarks/chunks.py on the
@@ -77,13 +79,13 @@ class Slot(NamedTuple):
     original: Any  # the view to copy ``flat`` back into when it is a temporary, else None
 
 
-def slot(v: np.ndarray) -> Slot:
-    """Describe host array view ``v`` for the chunk loop."""
+def slot(v: Any) -> Slot:
+    """Describe a host (NumPy) or device (CuPy) array view ``v`` for the chunk loop."""
     if v.flags.c_contiguous:
         flat, original = v.reshape(-1), None
     else:
-        flat, original = np.ascontiguousarray(v).reshape(-1), v
-    address = int(flat.__array_interface__["data"][0]) if flat.size else 0
+        flat, original = arrays.xp(v).ascontiguousarray(v).reshape(-1), v
+    address = arrays.address(flat) if flat.size else 0
     return Slot(flat, address, flat.itemsize, flat.dtype == np.float32, original)
 
 
@@ -104,8 +106,14 @@ def _direct(call: Call, slots: Sequence[Slot], itemsize: int) -> np.ndarray | No
         if t.original is not None or t.address + seg.src * itemsize != end:
             return None
         end += seg.count * itemsize
-    raw = MPI.buffer.fromaddress(start, end - start)
-    return np.frombuffer(raw, dtype=np.uint8 if itemsize == 1 else np.float32)
+    dtype = np.uint8 if itemsize == 1 else np.float32
+    if isinstance(s.flat, np.ndarray):
+        raw: Any = MPI.buffer.fromaddress(start, end - start)
+        return np.frombuffer(raw, dtype=dtype)
+    import cupy
+
+    memory = cupy.cuda.UnownedMemory(start, end - start, s.flat)
+    return cupy.ndarray((end - start) // itemsize, dtype, cupy.cuda.MemoryPointer(memory, 0))
 
 
 def reduce_calls(
@@ -116,17 +124,18 @@ def reduce_calls(
     scale: np.float32,
 ) -> None:
     """Sum every call over all ranks, divide by ``scale`` and leave the result in the slots."""
+    xp = arrays.xp(stage)  # numpy for host arrays, cupy for device arrays (cast and scale on the device)
     for call in calls:
         region = _direct(call, slots, 4)
         if region is not None:
             allreduce(region)
-            np.divide(region, scale, out=region)
+            xp.divide(region, scale, out=region)
             continue
         buf = stage[: call.count]
         for seg in call.segments:
             buf[seg.dst : seg.dst + seg.count] = slots[seg.slot].flat[seg.src : seg.src + seg.count]
         allreduce(buf)
-        np.divide(buf, scale, out=buf)
+        xp.divide(buf, scale, out=buf)
         for seg in call.segments:
             slots[seg.slot].flat[seg.src : seg.src + seg.count] = buf[seg.dst : seg.dst + seg.count]
     for s in slots:

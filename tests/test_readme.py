@@ -1,0 +1,570 @@
+"""README.md cannot drift from the code: its Python blocks run, its commands, paths, tables and links are checked.
+
+A block is tagged by an HTML comment on the line just above its fence::
+
+    <!-- readme-test: mpiexec=4 requires=mpidp.torch after=setup -->
+
+- ``run``: run in a subprocess, a world of one; ``mpiexec=N``: under
+  ``mpiexec -n N python -m mpi4py``; ``torchrun=N``: under ``torchrun
+  --standalone --nproc-per-node N``.
+- ``name=X``: a set-up block that other blocks prepend with ``after=X``.
+- ``requires=MOD,...``: the block needs these modules. When one is genuinely
+  not installed (a third-party package, or an mpidp module another issue is
+  still building, listed in PENDING), the block is compiled and the test is
+  reported as skipped, naming the module; it is never skipped silently.
+- ``output`` on a ``text`` block: the preceding block's standard output.
+- ``commands`` on a ``bash`` block: the README's two commands.
+
+Every Python block must be run (or be a named set-up block that is), and
+every tag must be known. These tests start their own MPI jobs, so they run in
+the serial pass only (``mpi_skip``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import importlib
+import importlib.util
+import inspect
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from mpi4py import MPI
+
+import mpidp
+from mpidp import launch
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+#: seconds one README block may run
+BLOCK_TIMEOUT = 120
+
+#: mpidp modules the README documents while another issue builds them: skipped (with this reason) until they exist
+PENDING = {
+    "mpidp.torch": "the PyTorch adapter (issue 3) is not built yet",
+    "mpidp.examples.charlm": "the PyTorch example (issue 3) is not built yet",
+}
+#: modules whose public names (``__all__``) the API table must cover
+API_MODULES = ("mpidp", "mpidp.torch", "mpidp.cuda", "mpidp.launch")
+KNOWN_TAGS = {"run", "mpiexec", "torchrun", "name", "after", "requires", "output", "commands"}
+LAUNCHERS = ("run", "mpiexec", "torchrun")
+#: environment variables of launchers and batch systems, removed from the environment of README blocks
+LAUNCHER_PREFIXES = ("PMI_", "PMIX_", "OMPI_", "PRTE_", "SLURM_", "MV2_", "FLUX_", "HYDRA_", "MPI_LOCAL")
+
+
+@dataclasses.dataclass(frozen=True)
+class Block:
+    lang: str
+    code: str
+    line: int  # 1-based line of the opening fence
+    tags: dict[str, str]
+
+    @property
+    def id(self) -> str:
+        return f"README.md:{self.line}"
+
+
+def parse_blocks(text: str) -> list[Block]:
+    """Return every fenced block of ``text`` with the tags of the comment just above it."""
+    lines = text.splitlines()
+    blocks = []
+    i = 0
+    while i < len(lines):
+        match = re.match(r"^```(\S*)\s*$", lines[i])
+        if not match:
+            i += 1
+            continue
+        start = i
+        i += 1
+        while i < len(lines) and lines[i] != "```":
+            i += 1
+        assert i < len(lines), f"README.md:{start + 1}: unclosed code fence"
+        tags: dict[str, str] = {}
+        above = re.match(r"^<!-- readme-test: (.*) -->$", lines[start - 1]) if start else None
+        if above:
+            for item in above.group(1).split():
+                key, _, value = item.partition("=")
+                tags[key] = value
+        blocks.append(Block(match.group(1), "\n".join(lines[start + 1 : i]) + "\n", start + 1, tags))
+        i += 1
+    return blocks
+
+
+def section(title: str) -> str:
+    """Return the text of the ``## title`` section of the README."""
+    text = README.read_text()
+    match = re.search(rf"^## {re.escape(title)}\n(.*?)(?=^## |\Z)", text, re.MULTILINE | re.DOTALL)
+    assert match, f"README.md has no '## {title}' section"
+    return match.group(1)
+
+
+def table(title: str) -> list[list[str]]:
+    """Return the body rows of the first table of a section, as lists of cells."""
+    rows = []
+    for line in section(title).splitlines():
+        if line.startswith("|") and not re.match(r"^\|[-| :]+\|$", line):
+            rows.append([cell.strip() for cell in line.strip("|").split("|")])
+    assert len(rows) > 1, f"no table in '## {title}'"
+    return rows[1:]  # without the header
+
+
+BLOCKS = parse_blocks(README.read_text())
+NAMED = {b.tags["name"]: b for b in BLOCKS if "name" in b.tags}
+RUNNABLE = [b for b in BLOCKS if b.lang == "python" and any(k in b.tags for k in LAUNCHERS)]
+SHELL = [b for b in BLOCKS if b.lang in ("bash", "sh", "console", "shell")]
+
+
+# ----------------------------------------------------------------- structure
+
+
+def test_every_block_is_accounted_for() -> None:
+    used = {name for b in BLOCKS for name in b.tags.get("after", "").split(",") if name}
+    for i, b in enumerate(BLOCKS):
+        unknown = set(b.tags) - KNOWN_TAGS
+        assert not unknown, f"{b.id}: unknown readme-test tag(s) {sorted(unknown)}"
+        if b.lang == "python":
+            launchers = [k for k in LAUNCHERS if k in b.tags]
+            assert len(launchers) <= 1, f"{b.id}: more than one launcher {launchers}"
+            if not launchers:
+                assert "name" in b.tags, f"{b.id}: a Python block that nothing runs; tag it run, mpiexec=N or torchrun=N"
+                assert b.tags["name"] in used, f"{b.id}: set-up block {b.tags['name']!r} is used by no block"
+        for name in b.tags.get("after", "").split(","):
+            assert not name or name in NAMED, f"{b.id}: after={name}: no block is named so"
+        if "output" in b.tags:
+            assert i > 0 and BLOCKS[i - 1] in RUNNABLE, f"{b.id}: an output block must follow a block that runs"
+    assert len(RUNNABLE) >= 5
+    assert [b for b in BLOCKS if "commands" in b.tags], "the two commands are not tagged"
+
+
+def test_two_commands_and_ci() -> None:
+    (block,) = [b for b in BLOCKS if "commands" in b.tags]
+    commands = [line.split("#")[0].strip() for line in block.code.splitlines() if line.strip()]
+    assert commands == ["scripts/demo", "scripts/test"], commands
+    for command in commands:
+        script = ROOT / command
+        assert script.is_file() and os.access(script, os.X_OK), f"{command} is not an executable file"
+        body = script.read_text()
+        assert "scripts/venv.sh" in body, f"{command} does not set up the virtual environment itself"
+        assert '"$@"' in body, f"{command} does not pass its arguments on, as the README says"
+    ci = [
+        line.strip()
+        for line in (ROOT / ".ci" / "run").read_text().splitlines()
+        if line.strip() and not line.lstrip().startswith(("#", "set ", "cd "))
+    ]
+    assert ci == ["exec scripts/test"] or ci == ["scripts/test"], f".ci/run must run the README's test command only: {ci}"
+
+
+def _paths(code: str) -> set[str]:
+    return set(re.findall(r"(?<![\w/.-])((?:scripts|benchmarks|tests|mpidp|\.ci)/[\w./-]*[\w])", code))
+
+
+def test_paths_in_shell_blocks_exist() -> None:
+    paths = {p for b in SHELL for p in _paths(b.code)}
+    assert "scripts/slurm/train.sbatch" in paths and "benchmarks/bench.py" in paths, paths
+    for path in sorted(paths):
+        target = ROOT / path
+        assert target.exists(), f"README names {path}, which does not exist"
+        if path.startswith("scripts/"):
+            assert os.access(target, os.X_OK), f"{path} is not executable"
+
+
+def _modules(code: str) -> set[str]:
+    return set(re.findall(r"-m (mpidp(?:\.\w+)*)", code))
+
+
+def _spec(module: str) -> Any:
+    try:
+        return importlib.util.find_spec(module)
+    except ModuleNotFoundError:  # a parent package is missing
+        return None
+
+
+SHELL_MODULES = sorted({m for b in SHELL for m in _modules(b.code)} | _modules((ROOT / "scripts/slurm/train.sbatch").read_text()))
+
+
+@pytest.mark.parametrize("module", SHELL_MODULES)
+def test_modules_in_commands_exist(module: str) -> None:
+    if _spec(module) is None:
+        if module in PENDING:
+            pytest.skip(f"{module}: {PENDING[module]}")
+        pytest.fail(f"README or the sbatch template runs `-m {module}`, which does not exist")
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor for a heading."""
+    text = heading.strip().lower().replace("`", "")
+    return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+
+
+def test_links_resolve() -> None:
+    text = README.read_text()
+    anchors = {_slug(h) for h in re.findall(r"^#+ (.*)$", text, re.MULTILINE)}
+    links = re.findall(r"\]\(([^)\s]+)\)", text)
+    assert links
+    for link in links:
+        if link.startswith(("http://", "https://")):
+            continue
+        if link.startswith("#"):
+            assert link[1:] in anchors, f"README links to {link}, which is no heading"
+        else:
+            assert (ROOT / link).exists(), f"README links to {link}, which does not exist"
+
+
+# --------------------------------------------------------- running the blocks
+
+
+def _clean_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(LAUNCHER_PREFIXES)}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
+    env["OMP_NUM_THREADS"] = "1"
+    if "Open MPI" in MPI.Get_library_version():  # what the README says Open MPI needs
+        env.update(
+            PRTE_MCA_rmaps_default_mapping_policy=":oversubscribe",
+            OMPI_ALLOW_RUN_AS_ROOT="1",
+            OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+        )
+    return env
+
+
+def _mpiexec() -> str:
+    beside = Path(sys.executable).parent / "mpiexec"
+    found = str(beside) if beside.exists() else shutil.which("mpiexec")
+    if found is None:
+        pytest.skip("no mpiexec next to this python or on PATH")
+    return found
+
+
+def _run(argv: list[str], cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """Run ``argv`` in its own process group; after BLOCK_TIMEOUT seconds the whole group is killed."""
+    proc = subprocess.Popen(
+        argv, cwd=cwd, env=env or _clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=BLOCK_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        err += f"\n[killed: did not finish in {BLOCK_TIMEOUT} s]"
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+
+
+def _source(block: Block) -> str:
+    parts = [NAMED[n].code for n in block.tags.get("after", "").split(",") if n]
+    return "\n".join([*parts, block.code])
+
+
+def _missing(block: Block) -> str | None:
+    """Return why a module the block requires is unavailable, or None; fail for a misspelt mpidp module."""
+    needs = [m for m in block.tags.get("requires", "").split(",") if m]
+    if "torchrun" in block.tags:
+        needs.append("torch.distributed.run")
+    for module in needs:
+        if _spec(module) is not None:
+            continue
+        if module.split(".")[0] == "mpidp" and module not in PENDING:
+            pytest.fail(f"{block.id} requires {module}, which is no mpidp module")
+        return PENDING.get(module, f"{module} is not installed")
+    return None
+
+
+def _expected_output(block: Block) -> str | None:
+    i = BLOCKS.index(block)
+    if i + 1 < len(BLOCKS) and "output" in BLOCKS[i + 1].tags:
+        return BLOCKS[i + 1].code
+    return None
+
+
+def _launch(block: Block) -> tuple[str, str]:
+    return next((k, block.tags[k]) for k in LAUNCHERS if k in block.tags)
+
+
+#: Runs each block as ``__main__`` in turn, in one job per launcher, so that every process imports
+#: torch and starts MPI once; records each block's output and error per process; a failing block
+#: re-raises, which ends the job (``python -m mpi4py`` aborts it, torchrun tears it down).
+DRIVER = """\
+import contextlib, io, json, os, runpy, sys, traceback
+for path in sys.argv[1:]:
+    out, error = io.StringIO(), None
+    try:
+        with contextlib.redirect_stdout(out):
+            runpy.run_path(path, run_name="__main__")
+    except BaseException:
+        error = traceback.format_exc()
+    with open(f"{path}.{os.getpid()}.json", "w") as f:
+        json.dump({"stdout": out.getvalue(), "error": error}, f)
+    if error is not None:
+        sys.stderr.write(error)
+        raise SystemExit(f"{path} failed")
+"""
+
+
+@dataclasses.dataclass
+class Job:
+    result: subprocess.CompletedProcess[str]
+    scripts: dict[int, Path]  # README line -> snippet file
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """Return ``job(block)``: the finished job that ran ``block`` with the others of its launcher."""
+    done: dict[tuple[str, str], Job] = {}
+
+    def job(block: Block) -> Job:
+        key = _launch(block)
+        if key not in done:
+            workdir = tmp_path_factory.mktemp(f"{key[0]}{key[1]}")
+            driver = workdir / "driver.py"
+            driver.write_text(DRIVER)
+            scripts = {}
+            for b in RUNNABLE:
+                if _launch(b) == key and _missing(b) is None:
+                    scripts[b.line] = workdir / f"line{b.line}.py"
+                    scripts[b.line].write_text(_source(b))
+            files = [str(p) for p in scripts.values()]
+            if key[0] == "mpiexec":
+                argv = [_mpiexec(), "-n", key[1], sys.executable, "-m", "mpi4py", str(driver), *files]
+            elif key[0] == "torchrun":
+                argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={key[1]}", str(driver), *files]
+            else:
+                argv = [sys.executable, str(driver), *files]
+            done[key] = Job(_run(argv, workdir), scripts)
+        return done[key]
+
+    return job
+
+
+@pytest.mark.mpi_skip
+@pytest.mark.parametrize("block", RUNNABLE, ids=[b.id for b in RUNNABLE])
+def test_python_block(block: Block, jobs: Any) -> None:
+    compile(_source(block), block.id, "exec")
+    why = _missing(block)
+    if why is not None:
+        pytest.skip(f"{block.id}: {why}; compiled, not run")
+    job = jobs(block)
+    script = job.scripts[block.line]
+    results = [json.loads(p.read_text()) for p in sorted(script.parent.glob(f"{script.name}.*.json"))]
+    context = f"\njob: {' '.join(job.result.args)} -> {job.result.returncode}\nstdout:\n{job.result.stdout}\nstderr:\n{job.result.stderr}"
+    errors = [r["error"] for r in results if r["error"]]
+    assert not errors, f"{block.id} failed:\n{errors[0]}{context}"
+    ranks = int(_launch(block)[1] or 1)
+    assert len(results) == ranks, f"{block.id} did not finish on every process ({len(results)} of {ranks}){context}"
+    expected = _expected_output(block)
+    if expected is not None:
+        got = [line.rstrip() for r in results for line in r["stdout"].strip().splitlines()]
+        assert got == expected.strip().splitlines(), f"{block.id} printed\n{got}\nthe README shows\n{expected}"
+
+
+# -------------------------------------------------------------------- tables
+
+
+def _table_variables() -> dict[str, list[str]]:
+    """Every variable of the environment table -> its row."""
+    out = {}
+    for row in table("Environment variables"):
+        for name in re.findall(r"`([A-Za-z_][A-Za-z0-9_]*)`", row[0]):
+            out[name] = row
+    return out
+
+
+def _sources() -> list[Path]:
+    files = [p for d in ("mpidp", "benchmarks", "tests") for p in (ROOT / d).rglob("*.py")]
+    files += [p for p in (ROOT / "scripts").rglob("*") if p.is_file()]
+    files += [p for p in (ROOT / ".ci").rglob("*") if p.is_file()]
+    return [p for p in files if p.resolve() != Path(__file__).resolve() and "__pycache__" not in p.parts]
+
+
+def _read_variables() -> dict[str, set[Path]]:
+    """Every MPIDP_* variable the project reads -> the files that read it."""
+    found: dict[str, set[Path]] = {}
+    for path in _sources():
+        text = path.read_text(errors="replace")
+        pattern = r"[\"'](MPIDP_[A-Z0-9_]+)[\"']" if path.suffix == ".py" else r"\$\{?(MPIDP_[A-Z0-9_]+)"
+        for name in re.findall(pattern, text):
+            found.setdefault(name, set()).add(path)
+    return found
+
+
+def test_environment_table_matches_the_code() -> None:
+    documented = _table_variables()
+    read = _read_variables()
+    assert "MPIDP_TIMEOUT" in read
+    undocumented = sorted(set(read) - set(documented))
+    assert not undocumented, f"read by the code but missing from README's environment table: {undocumented}"
+    unread = sorted(v for v in documented if v.startswith("MPIDP_") and v not in read)
+    assert not unread, f"in README's environment table but read nowhere: {unread}"
+    checked = set(launch.MPI_SIZE_VARIABLES + launch.SCHEDULER_SIZE_VARIABLES)
+    assert checked <= set(documented), f"the launch check reads {sorted(checked - set(documented))}, undocumented"
+
+
+def test_environment_table_defaults_match_the_code() -> None:
+    compared = 0
+    for name, row in _table_variables().items():
+        default = re.fullmatch(r"`([^`]+)`", row[2])
+        if default is None:
+            continue
+        for path in _sources():
+            text = path.read_text(errors="replace")
+            for value in re.findall(rf"\$\{{{name}:-([^}}]*)\}}", text) + re.findall(rf"[\"']{name}[\"'],\s*[\"']([^\"']*)[\"']", text):
+                if "$" not in value:
+                    assert value == default.group(1), f"{name}: README says default {default.group(1)}, {path.name} uses {value}"
+                    compared += 1
+    assert compared >= 4
+
+
+def _api_rows() -> list[tuple[str, str, str]]:
+    rows = []
+    for cells in table("API reference"):
+        shown = re.match(r"`([\w.]+)", cells[0])
+        assert shown, f"API table row without a name: {cells[0]}"
+        rows.append((shown.group(1), cells[1], cells[0]))
+    return rows
+
+
+API_ROWS = _api_rows()
+
+
+def _resolve(dotted: str) -> Any:
+    """Import the longest module prefix of ``dotted`` and get the rest as attributes (or dataclass fields)."""
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        module_name = ".".join(parts[:cut])
+        if _spec(module_name) is None:
+            continue
+        obj: Any = importlib.import_module(module_name)
+        for name in parts[cut:]:
+            if isinstance(obj, type) and dataclasses.is_dataclass(obj) and name in {f.name for f in dataclasses.fields(obj)}:
+                obj = next(f for f in dataclasses.fields(obj) if f.name == name)
+            else:
+                obj = inspect.getattr_static(obj, name)
+        return obj
+    raise ModuleNotFoundError(dotted)
+
+
+def _pending(dotted: str) -> str | None:
+    for module, why in PENDING.items():
+        if (dotted == module or dotted.startswith(module + ".")) and _spec(module) is None:
+            return why
+    return None
+
+
+def _says(obj: Any) -> str | None:
+    """Return "collective", "local" or None: what the docstring says."""
+    doc = obj.__doc__ if isinstance(obj, (property, classmethod, staticmethod)) else inspect.getdoc(obj)
+    if isinstance(obj, classmethod):
+        doc = obj.__func__.__doc__
+    if not doc or isinstance(obj, enum.Enum):  # a member shows its class's docstring
+        return None
+    if re.search(r"\bcollective\b", doc, re.IGNORECASE) and not re.search(r"\bnot collective\b", doc, re.IGNORECASE):
+        return "collective"
+    if re.search(r"(^|[(\s])local[;:,)]|no communication", doc, re.IGNORECASE):
+        return "local"
+    return None
+
+
+@pytest.mark.parametrize(("name", "collective", "cell"), API_ROWS, ids=[r[0] for r in API_ROWS])
+def test_api_table_entry_exists(name: str, collective: str, cell: str) -> None:
+    why = _pending(name)
+    if why is not None:
+        pytest.skip(f"{name}: {why}")
+    obj = _resolve(name)
+    assert re.match(r"^(yes|no)\b", collective), f"{name}: the Collective column says {collective!r}"
+    says = _says(obj)
+    if says == "collective":
+        assert collective.startswith("yes"), f"{name}: the docstring says collective, the README table says {collective!r}"
+    if says == "local":
+        assert collective.startswith("no"), f"{name}: the docstring says local, the README table says {collective!r}"
+    signature = re.match(r"`[\w.]+\(([^`]*)\)`", cell)
+    target = obj.__func__ if isinstance(obj, (classmethod, staticmethod)) else obj
+    if signature is not None and callable(target) and not isinstance(target, type):
+        documented = [p.split("=")[0].strip(" *") for p in signature.group(1).split(",") if p.strip(" *")]
+        actual = [p for p in inspect.signature(target).parameters if p not in ("self", "cls")]
+        assert documented == actual, f"{name}: README shows parameters {documented}, the code has {actual}"
+
+
+def _public_names(module_name: str) -> set[str]:
+    module = importlib.import_module(module_name)
+    names = set()
+    for name in module.__all__:
+        names.add(f"{module_name}.{name}")
+        obj = getattr(module, name)
+        if isinstance(obj, type) and not issubclass(obj, BaseException):
+            members = {n for n in vars(obj) if not n.startswith("_")}
+            if dataclasses.is_dataclass(obj):
+                members |= {f.name for f in dataclasses.fields(obj)}
+            names |= {f"{module_name}.{name}.{m}" for m in members}
+    return names
+
+
+@pytest.mark.parametrize("module", API_MODULES)
+def test_api_table_covers_every_public_name(module: str) -> None:
+    if _spec(module) is None:
+        if module in PENDING:
+            pytest.skip(f"{module}: {PENDING[module]}")
+        pytest.fail(f"{module} does not exist")
+    documented = {name for name, _, _ in API_ROWS}
+    documented |= {name.rsplit(".", 1)[0] for name in documented}  # a class is shown by its members
+    missing = sorted(_public_names(module) - documented)
+    assert not missing, f"public names missing from README's API reference: {missing}"
+
+
+# ------------------------------------------------------------- sbatch template
+
+SBATCH = ROOT / "scripts" / "slurm" / "train.sbatch"
+
+
+def test_sbatch_template_is_well_formed() -> None:
+    assert os.access(SBATCH, os.X_OK)
+    subprocess.run(["bash", "-n", str(SBATCH)], check=True)
+    lines = SBATCH.read_text().splitlines()
+    assert lines[0].startswith("#!")
+    first_command = next(i for i, line in enumerate(lines) if line.strip() and not line.startswith("#"))
+    directives = [line for line in lines if line.startswith(("#SBATCH", "##SBATCH"))]  # '##': disabled, documented
+    assert all(lines.index(d) < first_command for d in directives), "sbatch ignores #SBATCH lines after the first command"
+    for option in ("--nodes=", "--ntasks-per-node=", "--cpus-per-task=", "--time=", "--gpus-per-task="):
+        assert any(d.split()[1].startswith(option) for d in directives), f"the template does not show {option}"
+
+
+@pytest.mark.mpi_skip
+@pytest.mark.parametrize("override", [None, "pmix"])
+def test_sbatch_template_launches_the_example(tmp_path: Path, override: str | None) -> None:
+    """Run the template with a recording ``srun`` and a stand-in environment holding this python."""
+    bin_dir = tmp_path / "bin"
+    venv = tmp_path / "venv"
+    bin_dir.mkdir()
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").symlink_to(sys.executable)
+    (venv / "bin" / "activate").write_text(f'export PATH="{venv / "bin"}:$PATH"\n')
+    log = tmp_path / "srun.log"
+    srun = bin_dir / "srun"
+    srun.write_text(f'#!/bin/sh\nprintf "%s\\n" "$@" > "{log}"\necho "MPIDP_TIMEOUT=$MPIDP_TIMEOUT OMP_NUM_THREADS=$OMP_NUM_THREADS" >> "{log}"\n')
+    srun.chmod(0o755)
+    env = _clean_env()
+    env.update(
+        PATH=f"{bin_dir}{os.pathsep}{env['PATH']}", MPIDP_VENV=str(venv), SLURM_SUBMIT_DIR=str(ROOT),
+        SLURM_JOB_NUM_NODES="2", SLURM_NTASKS="8", SLURM_CPUS_PER_TASK="8",
+    )
+    env.pop("MPIDP_TIMEOUT", None)
+    if override:
+        env["MPIDP_SRUN_MPI"] = override
+    result = _run(["bash", str(SBATCH), "--steps", "3"], tmp_path, env)
+    assert result.returncode == 0, result.stderr
+    expected = override or ("pmix" if "Open MPI" in MPI.Get_library_version() else "pmi2")
+    assert log.read_text().splitlines() == [
+        f"--mpi={expected}", "python", "-m", "mpi4py", "-m", "mpidp.examples.charlm", "--steps", "3",
+        "MPIDP_TIMEOUT=900 OMP_NUM_THREADS=8",
+    ]
+    assert f"srun --mpi={expected}" in result.stdout and "8 rank(s)" in result.stdout
+
+
+def test_readme_names_the_version_source() -> None:
+    assert mpidp.__version__ and "__version__" in (ROOT / "mpidp" / "__init__.py").read_text()

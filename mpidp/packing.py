@@ -31,11 +31,11 @@ class Segment(NamedTuple):
     slot: int  # index into the plan's slots
     src: int  # offset in the slot, in units
     dst: int  # offset in the call's buffer, in units
-    count: int
+    length: int
 
 
 class Call(NamedTuple):
-    count: int
+    length: int
     segments: tuple[Segment, ...]
 
 
@@ -89,14 +89,14 @@ def slot(v: Any) -> Slot:
     return Slot(flat, address, flat.itemsize, flat.dtype == np.float32, original)
 
 
-def _direct(call: Call, slots: Sequence[Slot], itemsize: int) -> np.ndarray | None:
+def _direct(call: Call, slots: Sequence[Any], itemsize: int) -> np.ndarray | None:
     """Return the contiguous region holding the whole call, or None if it must be staged."""
     first = call.segments[0]
     s = slots[first.slot]
     if len(call.segments) == 1:
         if itemsize == 1:
-            return s.flat.view(np.uint8)[first.src : first.src + first.count]
-        return s.flat[first.src : first.src + first.count] if s.float32 else None
+            return s.flat.view(np.uint8)[first.src : first.src + first.length]
+        return s.flat[first.src : first.src + first.length] if s.float32 else None
     end = s.address + first.src * itemsize
     start = end
     for seg in call.segments:
@@ -105,7 +105,7 @@ def _direct(call: Call, slots: Sequence[Slot], itemsize: int) -> np.ndarray | No
             return None
         if t.original is not None or t.address + seg.src * itemsize != end:
             return None
-        end += seg.count * itemsize
+        end += seg.length * itemsize
     dtype = np.uint8 if itemsize == 1 else np.float32
     if isinstance(s.flat, np.ndarray):
         raw: Any = MPI.buffer.fromaddress(start, end - start)
@@ -118,7 +118,7 @@ def _direct(call: Call, slots: Sequence[Slot], itemsize: int) -> np.ndarray | No
 
 def reduce_calls(
     calls: Sequence[Call],
-    slots: Sequence[Slot | None],
+    slots: Sequence[Any],  # a Slot for every slot a call names; others may be None
     stage: np.ndarray,
     allreduce: Callable[[np.ndarray], None],
     scale: np.float32,
@@ -131,13 +131,13 @@ def reduce_calls(
             allreduce(region)
             xp.divide(region, scale, out=region)
             continue
-        buf = stage[: call.count]
+        buf = stage[: call.length]
         for seg in call.segments:
-            buf[seg.dst : seg.dst + seg.count] = slots[seg.slot].flat[seg.src : seg.src + seg.count]
+            buf[seg.dst : seg.dst + seg.length] = slots[seg.slot].flat[seg.src : seg.src + seg.length]
         allreduce(buf)
         xp.divide(buf, scale, out=buf)
         for seg in call.segments:
-            slots[seg.slot].flat[seg.src : seg.src + seg.count] = buf[seg.dst : seg.dst + seg.count]
+            slots[seg.slot].flat[seg.src : seg.src + seg.length] = buf[seg.dst : seg.dst + seg.length]
     for s in slots:
         if s is not None and s.original is not None:
             s.original[...] = s.flat.reshape(s.original.shape)
@@ -145,7 +145,7 @@ def reduce_calls(
 
 def bcast_calls(
     calls: Sequence[Call],
-    slots: Sequence[Slot | None],
+    slots: Sequence[Any],  # a Slot for every slot a call names; others may be None
     stage: np.ndarray,
     bcast: Callable[[np.ndarray], None],
     is_root: bool,
@@ -156,14 +156,14 @@ def bcast_calls(
         if region is not None:
             bcast(region)
             continue
-        buf = stage[: call.count]
+        buf = stage[: call.length]
         if is_root:
             for seg in call.segments:
-                buf[seg.dst : seg.dst + seg.count] = slots[seg.slot].flat.view(np.uint8)[seg.src : seg.src + seg.count]
+                buf[seg.dst : seg.dst + seg.length] = slots[seg.slot].flat.view(np.uint8)[seg.src : seg.src + seg.length]
         bcast(buf)
         if not is_root:
             for seg in call.segments:
-                slots[seg.slot].flat.view(np.uint8)[seg.src : seg.src + seg.count] = buf[seg.dst : seg.dst + seg.count]
+                slots[seg.slot].flat.view(np.uint8)[seg.src : seg.src + seg.length] = buf[seg.dst : seg.dst + seg.length]
     if not is_root:
         for s in slots:
             if s.original is not None:

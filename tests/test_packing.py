@@ -17,13 +17,13 @@ def test_plan_covers_every_present_element_once(chunk: int) -> None:
     calls = plan(sizes, present, chunk)
     seen = {i: np.zeros(s, int) for i, s in enumerate(sizes)}
     for call in calls:
-        assert 0 < call.count <= max(1, chunk)
-        assert sum(s.count for s in call.segments) == call.count
+        assert 0 < call.length <= max(1, chunk)
+        assert sum(s.length for s in call.segments) == call.length
         dst = 0
         for seg in call.segments:
             assert seg.dst == dst
-            dst += seg.count
-            seen[seg.slot][seg.src : seg.src + seg.count] += 1
+            dst += seg.length
+            seen[seg.slot][seg.src : seg.src + seg.length] += 1
             if len(call.segments) > 1:
                 assert sizes[seg.slot] < max(1, chunk // 4), "large slots get calls of their own"
     for i, s in enumerate(sizes):
@@ -40,7 +40,7 @@ def _run(arrays: list[np.ndarray], chunk: int, scale: float) -> list[np.ndarray]
     stage = np.empty(chunk, np.float32)
     seen: list[int] = []
     reduce_calls(calls, [slot(a) for a in arrays], stage, lambda b: seen.append(b.size), np.float32(scale))
-    assert seen == [c.count for c in calls]
+    assert seen == [c.length for c in calls]
     return arrays
 
 

@@ -467,9 +467,9 @@ def _pending(dotted: str) -> str | None:
 
 def _says(obj: Any) -> str | None:
     """Return "collective", "local" or None: what the docstring says."""
-    doc = obj.__doc__ if isinstance(obj, (property, classmethod, staticmethod)) else inspect.getdoc(obj)
-    if isinstance(obj, classmethod):
-        doc = obj.__func__.__doc__
+    if isinstance(obj, (classmethod, staticmethod)):
+        obj = obj.__func__
+    doc = obj.__doc__ if isinstance(obj, property) else inspect.getdoc(obj)
     if not doc or isinstance(obj, enum.Enum):  # a member shows its class's docstring
         return None
     if re.search(r"\bcollective\b", doc, re.IGNORECASE) and not re.search(r"\bnot collective\b", doc, re.IGNORECASE):
@@ -574,5 +574,7 @@ def test_sbatch_template_launches_the_example(tmp_path: Path, override: str | No
     assert f"srun --mpi={expected}" in result.stdout and "8 rank(s)" in result.stdout
 
 
-def test_readme_names_the_version_source() -> None:
-    assert mpidp.__version__ and "__version__" in (ROOT / "mpidp" / "__init__.py").read_text()
+def test_version_is_defined_once_where_the_readme_says() -> None:
+    assert re.search(r'^__version__ = "[^"]+"$', (ROOT / "mpidp" / "__init__.py").read_text(), re.MULTILINE)
+    assert "version = attr: mpidp.__version__" in (ROOT / "setup.cfg").read_text()
+    assert mpidp.__version__

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import warnings
 import numbers
 import zlib
 from collections.abc import Mapping
@@ -12,7 +13,7 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from . import arrays, contract, cuda, guard
+from . import arrays, contract, cuda, guard, launch
 from .comm import Communicator
 from .errors import CollectiveError, ContractError
 from .packing import DEFAULT_CHUNK_BYTES, Call, bcast_calls, plan, reduce_calls, slot
@@ -128,6 +129,9 @@ class DataParallel:
             comm = MPI.COMM_WORLD
         if not isinstance(comm, MPI.Comm):
             raise TypeError(f"comm must be an mpi4py communicator, got {type(comm).__name__}")
+        warning = launch.check_world(MPI.COMM_WORLD.Get_size(), MPI.Get_library_version())
+        if warning is not None:
+            warnings.warn(warning, launch.LaunchWarning, stacklevel=2)
         if timeout is None:
             timeout = guard.timeout_from_env()
         c = Communicator(comm)
@@ -184,37 +188,37 @@ class DataParallel:
 
     @property
     def rank(self) -> int:
-        """This replica's rank in the communicator."""
+        """This replica's rank in the communicator (local; no communication)."""
         return self._comm.rank
 
     @property
     def world_size(self) -> int:
-        """Number of replicas."""
+        """Number of replicas (local; no communication)."""
         return self._comm.size
 
     @property
     def device(self) -> str:
-        """This rank's device: ``"cpu"`` or ``"cuda:N"``; every array must live there."""
+        """This rank's device: ``"cpu"`` or ``"cuda:N"``; every array must live there (local)."""
         return self._device
 
     @property
     def cuda_aware(self) -> tuple[bool, str]:
-        """Whether device buffers are handed to MPI directly, and why (False: staged through the host)."""
+        """Whether device buffers are handed to MPI directly, and why (False: staged through the host; local)."""
         return self._cuda_aware
 
     @property
     def window(self) -> int:
-        """Number of :meth:`reduce` calls so far (each one is a window, failed ones included)."""
+        """Number of :meth:`reduce` calls so far, failed ones included (local)."""
         return self._window
 
     @property
     def names(self) -> tuple[str, ...]:
-        """Every parameter name, in contract (sorted) order."""
+        """Every parameter name, in contract (sorted) order (local; no communication)."""
         return tuple(e.name for e in self._contract)
 
     @property
     def trainable(self) -> tuple[str, ...]:
-        """The name that heads each trainable tie group, in contract order."""
+        """The name that heads each trainable tie group, in contract order (local; no communication)."""
         return tuple(self._contract[i].name for i in self._slots)
 
     # ------------------------------------------------------------------ window
@@ -463,9 +467,11 @@ class DataParallel:
         self._comm.close()
 
     def __enter__(self) -> DataParallel:  # noqa: PYI034 - Self needs Python 3.11
+        """Return this session (local)."""
         return self
 
     def __exit__(self, *exc: object) -> None:
+        """Close the session (collective, like :meth:`close`)."""
         self.close()
 
 

@@ -18,7 +18,7 @@ __all__ = ["decide", "detect", "local_rank", "select_device"]
 
 
 def decide(override: str | None, alloc_kinds: str | None, query: int | None) -> tuple[bool, str]:
-    """Decide CUDA-awareness from what the environment and the MPI library report.
+    """Decide CUDA-awareness from what the environment and the MPI library report (pure, local).
 
     ``override`` is ``MPIDP_CUDA_AWARE`` (None when unset), ``alloc_kinds`` the
     MPI-4.1 info value ``mpi_memory_alloc_kinds`` (None when the library does

@@ -2,8 +2,9 @@
 # Create or refresh the local virtual environment (.venv, or $MPIDP_VENV) and
 # put this checkout on its path. Sourced by scripts/demo and scripts/test;
 # run it directly to set up by hand. Installs, from PyPI: the requirements and
-# the extras named in "$@" as setup.cfg lists them, plus the pinned CPU build
-# of PyTorch used by the tests and the example.
+# the extras named in "$@" as setup.cfg lists them, with PyTorch pinned to
+# torch==2.13.0 (the range in setup.cfg would pull the newest, multi-GB CUDA
+# build; on the development machines the pin resolves to a local CPU wheel).
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 venv=${MPIDP_VENV:-$root/.venv}

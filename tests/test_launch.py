@@ -156,10 +156,6 @@ def test_warning_category() -> None:
 
 
 @pytest.mark.mpi_skip  # in a world of one only: a real world warns of nothing (see the tests above)
-@pytest.mark.xfail(
-    reason="until DataParallel.initialize calls launch.check_world (issue 7); then delete this marker",
-    strict=True,
-)
 def test_initialize_warns_on_a_world_of_one_under_srun(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in launch.MPI_SIZE_VARIABLES + launch.SCHEDULER_SIZE_VARIABLES:
         monkeypatch.delenv(name, raising=False)

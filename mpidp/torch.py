@@ -1,0 +1,300 @@
+"""PyTorch adapter: an ``nn.Module`` as named arrays, gradients reduced in place in ``.grad``.
+
+::
+
+    dp = mpidp.torch.DataParallel(model)          # agree on the model, broadcast it from root
+    loss_sum.backward()                           # one or more micro-batches; losses are SUMS over tokens
+    global_weight = dp.reduce(local_weight=n_tokens)   # .grad now holds the global token mean
+    optimizer.step(); optimizer.zero_grad()
+
+Parameters come from ``named_parameters(remove_duplicate=False)``: a weight
+shared by two modules (an embedding tied to the output head) is one tie
+group, reduced once; ``requires_grad=False`` at construction means frozen
+(broadcast, never reduced).
+
+Buffers (BatchNorm running statistics, its integer ``num_batches_tracked``,
+masks, caches: every dtype) are copied from ``root`` byte for byte at
+construction, after every rank agreed on their names, shapes and dtypes.
+After that they are local to each rank, as under Horovod or DDP with
+``broadcast_buffers=False``: BatchNorm statistics then follow each rank's own
+data. :meth:`DataParallel.broadcast_buffers` copies root's buffers to every
+rank again, explicitly (before evaluating or saving, say); no collective is
+hidden in ``forward``.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any
+
+import numpy as np
+import torch
+from mpi4py import MPI
+
+from . import core
+from .comm import Communicator
+from .core import MissingGradientPolicy
+from .errors import ContractError
+from .packing import DEFAULT_CHUNK_BYTES
+
+__all__ = ["DataParallel"]
+
+#: (name, shape, dtype) of one buffer, as ranks exchange it
+BufferEntry = tuple[str, tuple[int, ...], str]
+
+
+class DataParallel:
+    """A rank's data-parallel training session for one ``torch.nn.Module``.
+
+    Collective: every rank of ``comm`` (default ``MPI.COMM_WORLD``) must
+    construct it. It checks that every rank holds the same model (parameter
+    names, shapes, dtypes, frozen flags and ties; buffer names, shapes and
+    dtypes), then broadcasts parameters and buffers from ``root`` in place:
+    tensors keep their identity, so an optimizer created before or after the
+    wrapper keeps working. float32, float16 and bfloat16 parameters; every
+    gradient is summed in float32.
+
+    ``chunk_bytes``, ``abort_on_exception`` and ``timeout`` are those of
+    :meth:`mpidp.DataParallel.initialize`. Raises ContractError on every rank,
+    before anything is modified, if any rank's model is invalid or differs
+    from another's.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        comm: MPI.Comm | None = None,
+        root: int = 0,
+        *,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        abort_on_exception: bool = True,
+        timeout: float | None = None,
+    ) -> None:
+        if comm is None:
+            comm = MPI.COMM_WORLD
+        if not isinstance(comm, MPI.Comm):
+            raise TypeError(f"comm must be an mpi4py communicator, got {type(comm).__name__}")
+        self.module = model
+        self._root = root
+        self._comm = Communicator(comm)  # buffers travel here, apart from the core's traffic
+        try:
+            error = _check_module(model)
+            buffers = _buffers(model) if error is None else []
+            self._agree_on_buffers(buffers, error)
+            self._params: dict[str, Any] = dict(model.named_parameters(remove_duplicate=False))
+            frozen = [name for name, p in self._params.items() if not p.requires_grad]
+            self._core = core.DataParallel.initialize(
+                self._params, comm, root, frozen,
+                chunk_bytes=chunk_bytes, abort_on_exception=abort_on_exception, timeout=timeout,
+            )
+            self._broadcast(buffers)
+        except BaseException:
+            if hasattr(self, "_core"):
+                self._core.close()
+            self._comm.close()
+            raise
+        first: dict[int, str] = {}
+        for name in sorted(self._params):
+            first.setdefault(id(self._params[name]), name)
+        #: the first name (in contract order) of every tie group, frozen ones included
+        self._heads = tuple(first.values())
+        self._trainable = frozenset(self._core.trainable)
+
+    # --------------------------------------------------------------- accessors
+
+    @property
+    def rank(self) -> int:
+        """This replica's rank in the communicator."""
+        return self._core.rank
+
+    @property
+    def world_size(self) -> int:
+        """Number of replicas."""
+        return self._core.world_size
+
+    @property
+    def trainable(self) -> tuple[str, ...]:
+        """The name that heads each trainable tie group, in reduce order."""
+        return self._core.trainable
+
+    # ------------------------------------------------------------------ window
+
+    def reduce(
+        self,
+        local_weight: int | torch.Tensor,
+        policy: MissingGradientPolicy = MissingGradientPolicy.ERROR,
+    ) -> int:
+        """Turn every ``.grad`` (of local loss **sums**) into the global token mean, in place.
+
+        Collective: every rank must call it once per accumulation window,
+        after the window's backward passes and before ``optimizer.step()``.
+        ``local_weight`` is the number of tokens (or samples) behind this
+        rank's loss sums: an int, or an integer tensor of one element. Each
+        ``.grad`` becomes ``sum over ranks of grad / global_weight``, summed
+        in float32, cast back to the parameter's dtype, bitwise equal on
+        every rank, and written into the same tensor. A parameter this rank
+        has no gradient for but another rank has (policy ZERO, or this
+        rank's weight is 0) gets one; a parameter no rank with a non-zero
+        weight has a gradient for gets ``.grad = None``, so the optimizer
+        skips it as it would on one process. Returns the global weight.
+
+        Raises ContractError identically on every rank, with every ``.grad``
+        and parameter untouched, when any rank's input is invalid (a missing
+        gradient under policy ERROR, a replaced parameter, a gradient on a
+        frozen one, a bad weight), ranks disagree on the policy, or the
+        global weight is 0.
+        """
+        params = self._refresh()
+        weight = _as_int(local_weight)
+        grads: dict[str, Any] = {}
+        spare: dict[str, Any] | None = None
+        for head in self._heads:
+            p = params.get(head)
+            if p is None:
+                continue  # removed from the module: the core refuses the window on every rank
+            g = p.grad
+            if g is not None:
+                # a frozen one is refused by the core; a sparse one (nn.Embedding(sparse=True)) is
+                # reduced dense and becomes .grad below, once the window has succeeded
+                grads[head] = g if g.layout == torch.strided else g.to_dense()
+            elif type(weight) is int and weight == 0 and head in self._trainable:
+                # a rank without tokens contributes zeros (its gradients are ignored): lend
+                # it the persistent flat storage instead of a new allocation every window
+                if spare is None:
+                    spare = self._core.gradient_buffers()
+                grads[head] = spare[head]
+        out = self._core.reduce(grads, weight, policy)
+        for head in self._core.trainable:
+            p = params[head]
+            g = out.gradients.get(head)
+            if g is None:
+                p.grad = None
+            elif p.grad is not g:
+                p.grad = g
+        return out.global_weight
+
+    # ----------------------------------------------------------------- buffers
+
+    def broadcast_buffers(self) -> None:
+        """Copy root's buffers into every rank's, byte for byte, in place.
+
+        Collective. Every rank must hold buffers of the same names, shapes
+        and dtypes (checked first; ContractError on every rank otherwise,
+        with nothing modified).
+        """
+        buffers = _buffers(self.module)
+        self._agree_on_buffers(buffers, None)
+        self._broadcast(buffers)
+
+    def _agree_on_buffers(self, buffers: list[tuple[str, torch.Tensor]], error: str | None) -> None:
+        """Raise on every rank the first rank's local error, or the first buffer that differs from rank 0's."""
+        entries = tuple((name, tuple(b.shape), _dtype(b)) for name, b in buffers)
+        records = self._comm.allgather_obj((entries, error))
+        for rank, (_, err) in enumerate(records):
+            if err is not None:
+                raise ContractError(f"rank {rank}: {err}")
+        for rank, (theirs, _) in enumerate(records):
+            difference = _diff(records[0][0], theirs)
+            if difference is not None:
+                raise ContractError(f"rank {rank} differs from rank 0: {difference}")
+
+    def _broadcast(self, buffers: list[tuple[str, torch.Tensor]]) -> None:
+        """Move every buffer's bytes from root in one Bcast (ranks agreed on the list)."""
+        unique = list({id(b): b for _, b in buffers}.values())
+        views = [_bytes(b) for b in unique]
+        blob = np.empty(sum(v.size for v, _ in views), dtype=np.uint8)
+        if blob.size == 0:
+            return
+        is_root = self._comm.rank == self._root
+        offset = 0
+        for v, _ in views:
+            if is_root:
+                blob[offset : offset + v.size] = v
+            offset += v.size
+        self._comm.Bcast(blob, self._root, "broadcast buffers")
+        if is_root:
+            return
+        offset = 0
+        for b, (v, host) in zip(unique, views):
+            v[...] = blob[offset : offset + v.size]
+            offset += v.size
+            if host is not None:
+                with torch.no_grad():
+                    b.copy_(host)
+
+    # --------------------------------------------------------------- utilities
+
+    def _refresh(self) -> dict[str, Any]:
+        """Re-read the module's parameters into the mapping the core checks (same dict object)."""
+        self._params.clear()
+        self._params.update(self.module.named_parameters(remove_duplicate=False))
+        return self._params
+
+    def verify_replicas(self) -> None:
+        """Check that every rank's parameters are bitwise equal to rank 0's (collective).
+
+        Buffers are not compared: they are local after construction.
+        """
+        self._refresh()
+        self._core.verify_replicas()
+
+    def close(self) -> None:
+        """Free the communicators (collective). Idempotent."""
+        self._core.close()
+        self._comm.close()
+
+    def __enter__(self) -> DataParallel:  # noqa: PYI034 - Self needs Python 3.11
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _check_module(model: Any) -> str | None:
+    """Return what makes ``model`` unusable, without communicating."""
+    if not isinstance(model, torch.nn.Module):
+        return f"model must be a torch.nn.Module, got {type(model).__name__}"
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if p.layout != torch.strided:
+            return f"parameter {name!r} is a {p.layout} tensor; mpidp moves dense (strided) parameters"
+    return None
+
+
+def _buffers(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    return sorted(model.named_buffers(remove_duplicate=False), key=lambda item: item[0])
+
+
+def _dtype(t: torch.Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")
+
+
+def _diff(mine: tuple[BufferEntry, ...], theirs: tuple[BufferEntry, ...]) -> str | None:
+    """Name the first buffer that differs, or None."""
+    if mine == theirs:
+        return None
+    for a, b in zip(mine, theirs):
+        if a[0] != b[0]:
+            return f"buffer {b[0]!r} where rank 0 has {a[0]!r}"
+        if a != b:
+            return f"buffer {a[0]!r} is {b[2]} of shape {b[1]}, on rank 0 {a[2]} of shape {a[1]}"
+    if len(theirs) > len(mine):
+        return f"{len(theirs)} buffers, rank 0 has {len(mine)} (extra {theirs[len(mine)][0]!r})"
+    return f"{len(theirs)} buffers, rank 0 has {len(mine)} (missing {mine[len(theirs)][0]!r})"
+
+
+def _bytes(t: torch.Tensor) -> tuple[np.ndarray, torch.Tensor | None]:
+    """Return a host uint8 view of ``t``'s bytes, and the host copy it views when ``t`` cannot be viewed."""
+    t = t.detach()
+    if t.device.type == "cpu" and t.is_contiguous():
+        return t.reshape(-1).view(torch.uint8).numpy(), None
+    host = t.to("cpu", memory_format=torch.contiguous_format, copy=True)
+    return host.reshape(-1).view(torch.uint8).numpy(), host
+
+
+def _as_int(weight: Any) -> Any:
+    """Turn an integer tensor of one element into an int; anything else goes to the core's checks as it is."""
+    if isinstance(weight, torch.Tensor) and weight.numel() == 1 and not weight.is_floating_point() and not weight.is_complex() and weight.dtype != torch.bool:
+        return int(weight.item())
+    if isinstance(weight, numbers.Integral) and not isinstance(weight, bool):
+        return int(weight)
+    return weight

@@ -50,8 +50,6 @@ BLOCK_TIMEOUT = 120
 
 #: modules and files the README documents while another issue builds them: skipped (with this reason) until they exist
 PENDING = {
-    "mpidp.torch": "the PyTorch adapter (issue 3) is not built yet",
-    "mpidp.examples.charlm": "the PyTorch example (issue 3) is not built yet",
     "benchmarks/bench.py": "the benchmarks are not committed yet",
 }
 #: modules whose public names (``__all__``) the API table must cover

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import enum
-import warnings
 import numbers
+import warnings
 import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass

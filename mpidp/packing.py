@@ -18,7 +18,7 @@ from mpi4py import MPI
 
 from . import arrays
 
-__all__ = ["Segment", "Call", "plan", "Slot", "slot", "reduce_calls", "bcast_calls", "DEFAULT_CHUNK_BYTES"]
+__all__ = ["DEFAULT_CHUNK_BYTES", "Call", "Segment", "Slot", "bcast_calls", "plan", "reduce_calls", "slot"]
 
 #: Default chunk size in bytes. Measured with benchmarks/chunks.py on the
 #: 2-core development machine (MPICH 5.0.2 wheel): 1-4 MiB chunks reach the

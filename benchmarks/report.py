@@ -1,0 +1,159 @@
+"""Tables, targets and the chart of a benchmark result (plain data in, text or PNG out)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["chart", "table", "targets"]
+
+MIB = 1 << 20
+#: sets too small for bandwidth targets: the latency target applies instead
+LATENCY_SETS = ("tiny",)
+#: "a few chunks": the most extra memory one reduce may take, in chunks
+MEMORY_CHUNKS = 4
+
+
+def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """Issue 5's targets, evaluated on one result (reported, never asserted)."""
+    out: list[dict[str, Any]] = []
+
+    def add(what: str, name: str, key: str, threshold: float) -> None:
+        v = result["sets"][name]["variants"].get(key)
+        if v is not None:
+            out.append({"target": what, "set": name, "variant": key, "ratio": v["ratio"], "threshold": threshold,
+                        "met": v["ratio"] <= threshold})
+
+    for name in result["sets"]:
+        if name in LATENCY_SETS:
+            for key in ("mpidp_fp32_buffers", "mpidp_fp32_arrays"):
+                add("tiny set reduce <= 2x its raw Allreduce limit", name, key, 2.0)
+            continue
+        for key in ("mpidp_fp32_buffers", "mpidp_fp32_arrays"):
+            add("fp32 reduce <= 1.3x the raw Allreduce limit", name, key, 1.3)
+        for key in ("mpidp_mixed_buffers", "mpidp_mixed_arrays"):
+            add("mixed bf16/fp32 reduce <= 1.5x the raw Allreduce limit", name, key, 1.5)
+        add("initialize <= 1.3x the raw Bcast limit", name, "mpidp_initialize", 1.3)
+    chunk = result["meta"]["chunk_bytes"]
+    for name, s in result["sets"].items():
+        for key, v in s["variants"].items():
+            mem = v.get("memory")
+            if mem is None:
+                continue
+            extra = max(x for x in (mem["rss_extra_bytes"], mem["traced_peak_bytes"], 0) if x is not None)
+            out.append({"target": f"extra memory during reduce <= {MEMORY_CHUNKS} chunks", "set": name, "variant": key,
+                        "bytes": extra, "threshold_bytes": MEMORY_CHUNKS * chunk, "met": extra <= MEMORY_CHUNKS * chunk})
+    return out
+
+
+def _mib(b: int | None) -> str:
+    return "-" if b is None else f"{b / MIB:.1f}"
+
+
+def table(result: dict[str, Any]) -> str:
+    """The human-readable report of one result."""
+    m = result["meta"]
+    la0, la1 = m["load_average_start"][0], m.get("load_average_end", [float("nan")])[0]
+    lines = [
+        (f"mpidp benchmark: {m['world_size']} ranks on {m['machine']['cores']} cores ({m['machine']['cpu']}), "
+         f"{m['machine']['mpi']}; load average {la0:.2f} -> {la1:.2f}; {m['reps']} paired repetitions"),
+        f"command: {m['command']}",
+        "ratio = median over repetitions of (candidate / raw limit timed next to it)",
+    ]
+    for name, s in result["sets"].items():
+        ar, bc = s["limits"]["allreduce"], s["limits"]["bcast"]
+        lines += [
+            "",
+            (f"{s['description']} ({name}): {s['tensors']} tensors, {s['parameters'] / 1e6:.2f} M parameters, "
+             f"{s['fp32_bytes'] / MIB:.1f} MiB in fp32"),
+            (f"  raw limit: Allreduce {ar['seconds'] * 1e3:.2f} ms ({ar['best_chunk_bytes'] // MIB} MiB chunks), "
+             f"Bcast {bc['seconds'] * 1e3:.2f} ms ({bc['best_chunk_bytes'] // MIB} MiB chunks)"),
+            f"  {'variant':<36} {'ms':>10} {'limit ms':>10} {'ratio':>7} {'min-max':>12} {'extra MiB':>10}",
+        ]
+        for v in s["variants"].values():
+            mem = v.get("memory")
+            extra = None if mem is None else max(mem["rss_extra_bytes"] or 0, mem["traced_peak_bytes"])
+            lines.append(
+                f"  {v['label']:<36} {v['seconds'] * 1e3:10.2f} {v['limit_seconds'] * 1e3:10.2f} "
+                f"{v['ratio']:6.2f}x {v['ratio_min']:5.2f}-{v['ratio_max']:<5.2f}  {_mib(extra):>9}"
+            )
+    c = result.get("chunks")
+    if c:
+        lines += ["", (f"chunk_bytes sweep on {c['set']} (mpidp default {c['default_chunk_bytes'] // MIB} MiB); "
+                       "ratios to the best raw chunked Allreduce"),
+                  f"  {'chunk MiB':>9} {'raw':>7} {'mpidp fp32':>11} {'mpidp mixed':>12}"]
+        for r in c["rows"]:
+            lines.append(f"  {r['chunk_bytes'] // MIB:9d} {r['raw_ratio']:6.2f}x {r['mpidp_fp32_ratio']:10.2f}x "
+                         f"{r['mpidp_mixed_ratio']:11.2f}x")
+    if result.get("targets"):
+        lines += ["", "targets (issue 5)"]
+        for t in result["targets"]:
+            got = f"{t['ratio']:.2f}x <= {t['threshold']}x" if "ratio" in t else \
+                f"{_mib(t['bytes'])} MiB <= {_mib(t['threshold_bytes'])} MiB"
+            lines.append(f"  {'met ' if t['met'] else 'MISS'}  {t['set']:<10} {t['variant']:<22} {got:<22} {t['target']}")
+    return "\n".join(lines)
+
+
+def chart(paths: Sequence[Path], png: Path) -> Path | None:
+    """Draw the ratio of every variant per set, one bar per rank count, from result files."""
+    results = [json.loads(Path(p).read_text()) for p in paths]
+    if not results:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    results.sort(key=lambda r: r["meta"]["world_size"])
+    sets: list[str] = []
+    for r in results:
+        sets += [s for s in r["sets"] if s not in sets]
+    with_chunks = [r for r in results if r.get("chunks")]
+    rows = len(sets) + bool(with_chunks)
+    if rows == 0:
+        return None
+    fig, axes = plt.subplots(rows, 1, figsize=(11, 3.6 * rows), squeeze=False)
+    width = 0.8 / len(results)
+    for ax, name in zip(axes[:, 0], sets):
+        keys: list[str] = []
+        labels: dict[str, str] = {}
+        for r in results:
+            for k, v in r["sets"].get(name, {}).get("variants", {}).items():
+                if k not in keys:
+                    keys.append(k)
+                    labels[k] = v["label"]
+        for i, r in enumerate(results):
+            variants = r["sets"].get(name, {}).get("variants", {})
+            xs = [j + (i - (len(results) - 1) / 2) * width for j, k in enumerate(keys) if k in variants]
+            ys = [variants[k]["ratio"] for k in keys if k in variants]
+            bars = ax.bar(xs, ys, width, label=f"{r['meta']['world_size']} ranks")
+            ax.bar_label(bars, fmt="%.2f", fontsize=7)
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.set_yscale("log")
+        ax.set_ylabel("time / raw limit")
+        desc = next(r["sets"][name]["description"] for r in results if name in r["sets"])
+        ax.set_title(f"{desc} ({name})", fontsize=10)
+        ax.set_xticks(range(len(keys)))
+        ax.set_xticklabels([labels[k] for k in keys], rotation=20, ha="right", fontsize=8)
+        ax.legend(fontsize=8)
+    if with_chunks:
+        ax = axes[-1, 0]
+        for r in with_chunks:
+            c, n = r["chunks"], r["meta"]["world_size"]
+            mib = [row["chunk_bytes"] / MIB for row in c["rows"]]
+            for key, style in (("raw_ratio", ":"), ("mpidp_fp32_ratio", "-"), ("mpidp_mixed_ratio", "--")):
+                ax.plot(mib, [row[key] for row in c["rows"]], style, marker="o", label=f"{key.removesuffix('_ratio')}, {n} ranks")
+        ax.axvline(with_chunks[0]["chunks"]["default_chunk_bytes"] / MIB, color="grey", lw=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("chunk_bytes (MiB); grey line: DEFAULT_CHUNK_BYTES")
+        ax.set_ylabel("time / best raw limit")
+        ax.set_title(f"chunk size sweep ({with_chunks[0]['chunks']['set']})", fontsize=10)
+        ax.legend(fontsize=7, ncol=3)
+    m = results[0]["meta"]["machine"]
+    fig.suptitle(f"mpidp vs the raw MPI limit: {m['cpu']}, {m['cores']} cores, {m['mpi']}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+    return png

@@ -1,0 +1,92 @@
+"""The benchmark keeps working: a --quick run under mpiexec writes a complete, sane result.
+
+It starts its own 4-rank job in a subprocess with a hard timeout, so it runs
+in the serial session only (a world of one). Nothing here looks at how fast
+anything was: CI never gates on wall-clock time or on a ratio.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import clean_env
+from mpi4py import MPI
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "benchmarks" / "bench.py"
+MPIEXEC = str(Path(sys.executable).with_name("mpiexec"))
+RANKS = 4
+#: generous: a quick run takes seconds, but CI machines are shared and slow
+TIMEOUT = 240
+
+pytestmark = pytest.mark.skipif(MPI.COMM_WORLD.Get_size() > 1, reason="starts its own MPI job")
+
+MPIDP_VARIANTS = [f"mpidp_{mix}_{kind}" for mix in ("fp32", "mixed", "fp16") for kind in ("arrays", "buffers")]
+VARIANTS = ["raw_one_call", "per_tensor", "mpidp_initialize", *MPIDP_VARIANTS]
+
+
+def positive(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], Path, str]:
+    out = tmp_path_factory.mktemp("bench")
+    try:
+        p = subprocess.run(
+            [MPIEXEC, "-n", str(RANKS), sys.executable, "-m", "mpi4py", str(BENCH), "--quick", "--out", str(out)],
+            check=False, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=TIMEOUT,
+            env=clean_env(), cwd=ROOT,
+        )
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"the quick benchmark did not finish in {TIMEOUT} s:\n{e.output}")
+    assert p.returncode == 0, p.stdout
+    path = out / f"quick-np{RANKS}.json"
+    assert path.exists(), p.stdout
+    return json.loads(path.read_text()), out, p.stdout
+
+
+def test_quick_run_writes_every_key(quick: tuple[dict[str, Any], Path, str]) -> None:
+    result, _, _ = quick
+    assert set(result) >= {"meta", "sets", "chunks", "targets"}
+    meta = result["meta"]
+    assert meta["world_size"] == RANKS and meta["quick"] is True
+    assert {"machine", "load_average_start", "load_average_end", "command", "chunk_bytes"} <= set(meta)
+    assert set(result["sets"]) == {"gpt2-mini", "tiny"}
+    for name, s in result["sets"].items():
+        assert {"tensors", "parameters", "fp32_bytes", "limits", "variants"} <= set(s), name
+        for limit in ("allreduce", "bcast"):
+            assert s["limits"][limit]["best_chunk_bytes"] > 0
+            assert all(positive(t) for t in s["limits"][limit]["by_chunk_mib"].values())
+        expected = VARIANTS + (["gloo_flat", "gloo_buckets"] if meta["torch"] else [])
+        assert sorted(s["variants"]) == sorted(expected), name
+
+
+def test_quick_run_ratios_are_positive_and_finite(quick: tuple[dict[str, Any], Path, str]) -> None:
+    result, _, _ = quick
+    for name, s in result["sets"].items():
+        for key, v in s["variants"].items():
+            for field in ("seconds", "limit_seconds", "ratio", "ratio_min", "ratio_max"):
+                assert positive(v[field]), (name, key, field, v[field])
+            assert len(v["samples"]["ratios"]) == result["meta"]["reps"]
+            assert all(positive(r) for r in v["samples"]["ratios"])
+            if key in MPIDP_VARIANTS:
+                assert v["memory"]["traced_peak_bytes"] >= 0
+    for row in result["chunks"]["rows"]:
+        assert row["chunk_bytes"] > 0
+        assert all(positive(row[k]) for k in ("raw_ratio", "mpidp_fp32_ratio", "mpidp_mixed_ratio"))
+    for t in result["targets"]:
+        assert isinstance(t["met"], bool) and t["set"] in result["sets"]
+
+
+def test_quick_run_prints_the_table_and_draws_the_chart(quick: tuple[dict[str, Any], Path, str]) -> None:
+    _, out, stdout = quick
+    assert "ratio" in stdout and "targets (issue 5)" in stdout
+    png = out / "quick.png"
+    assert png.exists() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

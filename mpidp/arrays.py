@@ -61,10 +61,32 @@ def describe(x: Any) -> ArrayInfo | None:
         dtype = str(x.dtype).removeprefix("torch.")
         device = "cpu" if x.device.type == "cpu" else f"{x.device.type}:{x.device.index or 0}"
         return ArrayInfo("torch", dtype, tuple(x.shape), device)
-    dtype = x.dtype.name
+    # a non-native byte order is named by its code ('>f4'), which no check accepts
+    dtype = x.dtype.name if x.dtype.isnative else x.dtype.str
     if backend == "cupy":
         return ArrayInfo("cupy", dtype, tuple(x.shape), f"cuda:{x.device.id}")
     return ArrayInfo("numpy", dtype, x.shape, "cpu")
+
+
+def problem(x: Any) -> str | None:
+    """Say why mpidp cannot read and write ``x`` in place, or None (local)."""
+    if isinstance(x, np.ndarray):
+        return None if x.flags.writeable else "it is read-only (mpidp writes into it in place)"
+    if _backend(x) == "torch":
+        if str(x.layout) != "torch.strided":
+            return f"it is a {x.layout} tensor; pass a dense one (.to_dense())"
+        if x.device.type not in ("cpu", "cuda"):
+            return f"it is on {x.device}; mpidp supports cpu and cuda"
+        if x.is_neg() or x.is_conj():
+            return "it is a lazy negated or conjugated view; call .resolve_neg() first"
+    return None
+
+
+def signature(x: Any) -> tuple[Any, ...]:
+    """A cheap identity of ``x``'s type, dtype, shape and device, to compare every window."""
+    if isinstance(x, np.ndarray):
+        return (np.ndarray, x.dtype, x.shape)
+    return (type(x), x.dtype, tuple(x.shape), x.device)
 
 
 def current_device(backend: str) -> str:

@@ -78,6 +78,8 @@ def build(params: Any, frozen: Any, device: str | None) -> Local:
             )
         elif info.dtype not in FLOATING:
             error = error or f"parameter {name!r}: dtype {info.dtype} is not supported (float32, float16, bfloat16)"
+        elif (why := arrays.problem(array)) is not None:
+            error = error or f"parameter {name!r}: {why}"
         elif device is None:
             device = info.device if info.device == "cpu" else arrays.current_device(info.backend)
         if error is None and info.dtype == "bfloat16" and info.device.startswith("cuda"):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import itertools
 import numbers
 import warnings
 import zlib
@@ -21,6 +22,8 @@ from .packing import DEFAULT_CHUNK_BYTES, Call, bcast_calls, plan, reduce_calls,
 __all__ = ["DataParallel", "MissingGradientPolicy", "ReducedGradients"]
 
 _U64_MAX = (1 << 64) - 1
+_REDUCE, _VERIFY = 1, 2  # exchange record tags
+_OPERATIONS = {_REDUCE: "reduce", _VERIFY: "verify_replicas"}
 
 
 class MissingGradientPolicy(enum.Enum):
@@ -57,6 +60,7 @@ class DataParallel:
         chunk_bytes: int,
         watchdog: guard.Watchdog | None,
         cuda_aware: tuple[bool, str],
+        root: int,
     ) -> None:
         self._comm = comm
         self._params = params
@@ -64,7 +68,9 @@ class DataParallel:
         self._arrays = local.arrays
         self._infos = local.infos
         self._device = local.device
+        self._signatures = tuple(arrays.signature(a) for a in local.arrays)
         self._cuda_aware = cuda_aware
+        self._root = root
         self._chunk_bytes = chunk_bytes
         self._watchdog = watchdog
         self._stage: Any = np.empty(chunk_bytes // 4, dtype=np.float32)
@@ -85,6 +91,9 @@ class DataParallel:
         self._sizes = tuple(self._infos[i].size for i in self._slots)
         self._plans: dict[bytes, tuple[Call, ...]] = {}
         self._words = (len(self._slots) + 63) // 64
+        heads = sum(1 for i, e in enumerate(self._contract) if e.alias == i)
+        #: every exchange record has this length, so mismatched operations still match in MPI
+        self._record_words = max(5 + self._words, 2 + heads)
         self._window = 0
         self._closed = False
         self._failed: str | None = None  # set by the first CollectiveError: the session is unusable
@@ -132,17 +141,30 @@ class DataParallel:
         warning = launch.check_world(MPI.COMM_WORLD.Get_size(), MPI.Get_library_version())
         if warning is not None:
             warnings.warn(warning, launch.LaunchWarning, stacklevel=2)
+        setup_error: str | None = None
         if timeout is None:
-            timeout = guard.timeout_from_env()
+            try:
+                timeout = guard.timeout_from_env()
+            except ValueError as e:
+                setup_error = str(e)
+        elif isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout < 0:
+            setup_error, timeout = f"timeout must be a non-negative number of seconds, got {timeout!r}", None
         c = Communicator(comm)
         watchdog = guard.Watchdog(c, timeout) if timeout else None
         try:
-            local = contract.build(params, frozen, device)
-            error = local.error
+            try:
+                local = contract.build(params, frozen, device)
+            except Exception as e:  # noqa: BLE001 - reported to every rank, never raised alone
+                local = contract.Local((), (), (), f"could not read the parameters: {type(e).__name__}: {e}")
+            error = local.error or setup_error
             aware = (False, "host arrays")
             if local.device != "cpu":
                 try:
+                    import cupy  # noqa: F401 - device staging, casts and scaling run in CuPy
+
                     aware = cuda.detect(c.comm)
+                except ImportError:
+                    error = error or "GPU arrays need CuPy (pip install mpidp[cupy])"
                 except ValueError as e:
                     error = error or str(e)
             if isinstance(root, bool) or not isinstance(root, numbers.Integral) or not 0 <= root < c.size:
@@ -166,7 +188,7 @@ class DataParallel:
                     raise ContractError(f"rank {rank} broadcasts from root {r}, rank 0 from root {head[1]}")
                 if chunk != head[2]:
                     raise ContractError(f"rank {rank} uses chunk_bytes={chunk}, rank 0 chunk_bytes={head[2]}")
-            self = cls(c, params, local, int(chunk_bytes) // 4 * 4, watchdog, aware)
+            self = cls(c, params, local, int(chunk_bytes) // 4 * 4, watchdog, aware, int(root))
             self._broadcast(int(root))
         except BaseException:
             if watchdog is not None:
@@ -227,10 +249,12 @@ class DataParallel:
         params = self._params
         if len(params) != len(self._contract):
             return f"the parameter mapping changed after initialize: {len(params)} names, expected {len(self._contract)}"
-        for entry, array, info in zip(self._contract, self._arrays, self._infos):
+        for entry, array, info, sig in zip(self._contract, self._arrays, self._infos, self._signatures):
             current = params.get(entry.name, None)
             if current is not array:
                 return f"parameter {entry.name!r} was replaced or removed after initialize"
+            if arrays.signature(array) == sig:
+                continue
             now = arrays.describe(array)
             if now != info:
                 return f"parameter {entry.name!r} changed after initialize: {now} was {info}"
@@ -239,6 +263,7 @@ class DataParallel:
     def _check_gradients(self, grads: Any, local: list[Any], names: list[str | None]) -> str | None:
         if not isinstance(grads, Mapping):
             return f"grads must be a mapping of names to arrays, got {type(grads).__name__}"
+        seen: dict[int, str] = {}
         for name in sorted(grads, key=str):
             index = self._slot_of.get(name)
             if index is None:
@@ -247,6 +272,9 @@ class DataParallel:
             if names[index] is not None:
                 return f"two gradients for one tied array: {names[index]!r} and {name!r}"
             g = grads[name]
+            if id(g) in seen:
+                return f"gradients {seen[id(g)]!r} and {name!r} are the same array (each needs its own)"
+            seen[id(g)] = name
             info = arrays.describe(g)
             p = self._infos[self._slots[index]]
             if info is None:
@@ -254,9 +282,12 @@ class DataParallel:
             for field in ("shape", "dtype", "device"):
                 if getattr(info, field) != getattr(p, field):
                     return f"gradient {name!r}: {field} {getattr(info, field)} differs from its parameter's {getattr(p, field)}"
+            why = arrays.problem(g)
+            if why is not None:
+                return f"gradient {name!r}: {why}"
             local[index] = g
             names[index] = name
-        return None
+        return _overlap(local, names)
 
     def reduce(
         self,
@@ -293,7 +324,11 @@ class DataParallel:
         n = len(self._slots)
         local: list[Any] = [None] * n
         names: list[str | None] = [None] * n
-        error = self._check_replica() or self._check_gradients(grads, local, names)
+        try:
+            error = self._check_replica() or self._check_gradients(grads, local, names)
+        except Exception as e:  # noqa: BLE001 - reported to every rank, never raised alone
+            local, names = [None] * n, [None] * n
+            error = f"could not read the gradients: {type(e).__name__}: {e}"
         weight = 0
         if isinstance(local_weight, bool) or not isinstance(local_weight, numbers.Integral):
             error = error or f"local_weight must be a non-negative int, got {type(local_weight).__name__} {local_weight!r}"
@@ -313,36 +348,39 @@ class DataParallel:
                 f"parameter {missing!r} has no gradient (policy ERROR, local weight {weight}); "
                 "pass policy=MissingGradientPolicy.ZERO if it is legitimately unused"
             )
-        record = np.zeros(4 + self._words, dtype=np.uint64)
-        record[:4] = (weight, code, error is not None, self._window)
-        record[4:].view(np.uint8)[: (n + 7) // 8] = np.packbits(present)
-        table = self._comm.Allgather(record, f"reduce (window {self._window}): exchange")
-        self._agree(table[:, 2], error)
-        if (table[:, 3] != self._window).any():
-            other = int(np.argmax(table[:, 3] != table[0, 3]))
+        record = self._record(_REDUCE)
+        record[1:5] = (weight, code, error is not None, self._window)
+        record[5:].view(np.uint8)[: (n + 7) // 8] = np.packbits(present)
+        table = self._exchange(record, f"reduce (window {self._window}): exchange")
+        self._agree(table[:, 3], error)
+        if (table[:, 4] != self._window).any():
+            other = int(np.argmax(table[:, 4] != table[0, 4]))
             raise ContractError(
-                f"ranks are in different windows: rank 0 in window {table[0, 3]}, rank {other} in window "
-                f"{table[other, 3]} (a rank skipped or added a reduce)"
+                f"ranks are in different windows: rank 0 in window {table[0, 4]}, rank {other} in window "
+                f"{table[other, 4]} (a rank skipped or added a reduce)"
             )
-        codes = table[:, 1]
+        codes = table[:, 2]
         if (codes != codes[0]).any():
             other = int(np.argmax(codes != codes[0]))
             raise ContractError(
                 f"ranks disagree on the missing-gradient policy: rank 0 uses "
                 f"{MissingGradientPolicy(int(codes[0])).name}, rank {other} uses {MissingGradientPolicy(int(codes[other])).name}"
             )
-        global_weight = sum(int(w) for w in table[:, 0])
+        global_weight = sum(int(w) for w in table[:, 1])
         if global_weight > _U64_MAX:
             raise ContractError(f"the global weight {global_weight} does not fit in 64 bits")
         if global_weight == 0:
             raise ContractError("the global weight is 0: no rank has a token in this window, nothing to normalize")
-        weighted = table[table[:, 0] > 0, 4:]
+        weighted = table[table[:, 1] > 0, 5 : 5 + self._words]
         bits = np.bitwise_or.reduce(weighted, axis=0).view(np.uint8)
         key = bits.tobytes()
-        calls = self._plans.get(key)
         globally = np.unpackbits(bits, count=n).astype(bool)
+        calls = self._plans.pop(key, None)  # a small LRU: presence patterns can be endless
         if calls is None:
-            calls = self._plans[key] = plan(self._sizes, globally.tolist(), len(self._stage))
+            calls = plan(self._sizes, globally.tolist(), len(self._stage))
+        self._plans[key] = calls
+        if len(self._plans) > 8:
+            del self._plans[next(iter(self._plans))]
         try:
             gradients = self._reduce(calls, globally, local, names, weight, global_weight)
         except CollectiveError as e:
@@ -361,7 +399,9 @@ class DataParallel:
         if not flags.any():
             return
         errors = self._comm.allgather_obj(error)
-        rank = next(r for r, e in enumerate(errors) if e is not None)
+        rank = next((r for r, e in enumerate(errors) if e is not None), None)
+        if rank is None:  # pragma: no cover - only if records were misread
+            raise ContractError("ranks disagree on whether an error occurred")
         raise ContractError(f"rank {rank}: {errors[rank]}")
 
     def _reduce(
@@ -432,7 +472,7 @@ class DataParallel:
     # ------------------------------------------------------------- utilities
 
     def verify_replicas(self) -> None:
-        """Check that every rank's parameters are bitwise equal to rank 0's.
+        """Check that every rank's parameters are bitwise equal to the root's.
 
         Collective. Compares a CRC-32 of every parameter's bytes; raises
         ContractError on every rank naming the parameters and ranks that
@@ -441,21 +481,40 @@ class DataParallel:
         self._usable()
         error = self._check_replica()
         heads = [i for i, e in enumerate(self._contract) if e.alias == i]
-        record = np.zeros(1 + len(heads), dtype=np.uint64)
-        record[0] = error is not None
+        record = self._record(_VERIFY)
+        record[1] = error is not None
         if error is None:
             for k, i in enumerate(heads):
-                record[1 + k] = zlib.crc32(_bytes(arrays.view(self._arrays[i])))
-        table = self._comm.Allgather(record, "verify_replicas")
-        self._agree(table[:, 0], error)
-        differ = table[:, 1:] != table[0, 1:]
+                record[2 + k] = zlib.crc32(_bytes(arrays.view(self._arrays[i])))
+        table = self._exchange(record, "verify_replicas")
+        self._agree(table[:, 1], error)
+        crcs = table[:, 2 : 2 + len(heads)]
+        differ = crcs != crcs[self._root]
         if differ.any():
             ranks = np.flatnonzero(differ.any(axis=1))
             names = [self._contract[heads[k]].name for k in np.flatnonzero(differ.any(axis=0))]
             shown = ", ".join(repr(n) for n in names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
             raise ContractError(
-                f"replicas differ from rank 0 on rank(s) {', '.join(map(str, ranks))}: parameter(s) {shown}"
+                f"replicas differ from root {self._root} on rank(s) {', '.join(map(str, ranks))}: parameter(s) {shown}"
             )
+
+    def _record(self, operation: int) -> np.ndarray:
+        """A zeroed exchange record, one length for every operation, tagged with ``operation``."""
+        record = np.zeros(self._record_words, dtype=np.uint64)
+        record[0] = operation
+        return record
+
+    def _exchange(self, record: np.ndarray, label: str) -> np.ndarray:
+        """Allgather ``record``; raise on every rank if ranks are in different operations."""
+        table = self._comm.Allgather(record, label)
+        tags = table[:, 0]
+        if (tags != tags[0]).any():
+            other = int(np.argmax(tags != tags[0]))
+            raise ContractError(
+                f"ranks are in different mpidp operations: rank 0 in {_OPERATIONS.get(int(tags[0]), '?')}, "
+                f"rank {other} in {_OPERATIONS.get(int(tags[other]), '?')}"
+            )
+        return table
 
     def close(self) -> None:
         """Free the private communicator (collective). Idempotent."""
@@ -481,3 +540,23 @@ def _bytes(v: Any) -> memoryview:
         v = v.get()
     data: Any = np.ascontiguousarray(v).reshape(-1).view(np.uint8)
     return memoryview(data)
+
+
+_byte_bounds = getattr(np, "byte_bounds", None) or np.lib.array_utils.byte_bounds
+
+
+def _overlap(local: list[Any], names: list[str | None]) -> str | None:
+    """Name two host gradients whose memory overlaps (each result needs its own memory), or None."""
+    ranges = []
+    for g, name in zip(local, names):
+        if g is None:
+            continue
+        v = arrays.view(g)
+        if isinstance(v, np.ndarray) and v.size:
+            lo, hi = _byte_bounds(v)
+            ranges.append((lo, hi, name))
+    ranges.sort(key=lambda r: r[0])
+    for (_, hi, a), (lo, _, b) in itertools.pairwise(ranges):  # the first overlap is between neighbours
+        if lo < hi:
+            return f"gradients {a!r} and {b!r} share memory (each needs its own)"
+    return None

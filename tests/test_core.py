@@ -526,7 +526,7 @@ def test_verify_replicas(comm: MPI.Comm, dp: Any) -> None:
         if comm.rank == comm.size - 1:
             dp.params["bias"][0] += 1
         same_error_everywhere(
-            comm, dp.verify_replicas, ContractError, f"replicas differ from rank 0 on rank(s) {comm.size - 1}: parameter(s) 'bias'"
+            comm, dp.verify_replicas, ContractError, f"replicas differ from root 0 on rank(s) {comm.size - 1}: parameter(s) 'bias'"
         )
 
 
@@ -566,3 +566,82 @@ def test_a_failed_collective_poisons_the_session(comm: MPI.Comm, dp: Any, monkey
     monkeypatch.undo()
     with pytest.raises(mpidp.CollectiveError, match="an earlier collective failed"):
         dp.reduce(grads, 1)
+
+
+def test_reduce_refuses_gradients_that_share_memory(comm: MPI.Comm, dp: Any, where: tuple[bool, int]) -> None:
+    mine, bad = where
+    grads = grads_for(dp.params, np.random.default_rng(comm.rank))
+    if mine:
+        grads["bias"] = grads["big"][:7]  # a view into another gradient
+    before = snapshot(grads)
+    same_error_everywhere(comm, lambda: dp.reduce(grads, 1), ContractError, f"rank {bad}: gradients 'bias' and 'big' share memory")
+    assert snapshot(grads) == before
+
+
+def test_reduce_refuses_the_same_array_twice(comm: MPI.Comm, where: tuple[bool, int]) -> None:
+    mine, bad = where
+    with mpidp.DataParallel.initialize({"a": np.zeros(5, np.float32), "b": np.zeros(5, np.float32)}, comm) as two:
+        z = np.zeros(5, np.float32)
+        g = {"a": z, "b": z} if mine else {"a": np.ones(5, np.float32), "b": np.ones(5, np.float32)}
+        same_error_everywhere(comm, lambda: two.reduce(g, 1), ContractError, f"rank {bad}: gradients 'a' and 'b' are the same array")
+
+
+def test_read_only_and_foreign_byte_order_are_refused(comm: MPI.Comm, where: tuple[bool, int]) -> None:
+    mine, bad = where
+    params = model(comm.rank)
+    if mine:
+        params["bias"] = params["bias"].copy()
+        params["bias"].flags.writeable = False
+    same_error_everywhere(
+        comm, lambda: mpidp.DataParallel.initialize(params, comm), ContractError, f"rank {bad}: parameter 'bias': it is read-only"
+    )
+    params = model(comm.rank)
+    if mine:
+        params["bias"] = params["bias"].astype(">f4")
+    same_error_everywhere(
+        comm, lambda: mpidp.DataParallel.initialize(params, comm), ContractError, f"rank {bad}: parameter 'bias': dtype >f4 is not supported"
+    )
+
+
+def test_read_only_gradient_is_refused(comm: MPI.Comm, dp: Any, where: tuple[bool, int]) -> None:
+    mine, bad = where
+    grads = grads_for(dp.params, np.random.default_rng(comm.rank))
+    if mine:
+        grads["big"].flags.writeable = False
+    same_error_everywhere(comm, lambda: dp.reduce(grads, 1), ContractError, f"rank {bad}: gradient 'big': it is read-only")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_ranks_in_different_operations_raise_everywhere(comm: MPI.Comm, dp: Any) -> None:
+    grads = grads_for(dp.params, np.random.default_rng(comm.rank))
+    last = comm.size - 1
+    call = dp.verify_replicas if comm.rank == last else (lambda: dp.reduce(grads, 1))
+    same_error_everywhere(
+        comm, call, ContractError, f"ranks are in different mpidp operations: rank 0 in reduce, rank {last} in verify_replicas"
+    )
+
+
+def test_verify_replicas_compares_with_the_root(comm: MPI.Comm) -> None:
+    root = comm.size - 1
+    params = model(comm.rank)
+    with mpidp.DataParallel.initialize(params, comm, root=root, frozen=["frozen"]) as dp:
+        if comm.size > 1:
+            if comm.rank == 0:
+                params["bias"][0] += 1
+            same_error_everywhere(comm, dp.verify_replicas, ContractError, f"replicas differ from root {root} on rank(s) 0: parameter(s) 'bias'")
+
+
+def test_plan_cache_stays_small(comm: MPI.Comm, dp: Any) -> None:
+    rng = np.random.default_rng(1)  # the same presence pattern on every rank
+    for _ in range(40):
+        names = [n for n in TRAINABLE if rng.random() < 0.6] or ["big"]
+        dp.reduce(grads_for(dp.params, np.random.default_rng(comm.rank), names), 1, ZERO)
+    assert len(dp._plans) <= 8
+
+
+def test_bad_timeout_is_refused_everywhere(comm: MPI.Comm, where: tuple[bool, int]) -> None:
+    mine, bad = where
+    same_error_everywhere(
+        comm, lambda: mpidp.DataParallel.initialize(model(0), comm, timeout=-1 if mine else None), ContractError,
+        f"rank {bad}: timeout must be a non-negative number of seconds, got -1",
+    )

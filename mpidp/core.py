@@ -91,9 +91,10 @@ class DataParallel:
         self._sizes = tuple(self._infos[i].size for i in self._slots)
         self._plans: dict[bytes, tuple[Call, ...]] = {}
         self._words = (len(self._slots) + 63) // 64
-        heads = sum(1 for i, e in enumerate(self._contract) if e.alias == i)
+        #: contract indices of every tie-group head (frozen ones included): what is broadcast and verified
+        self._heads = tuple(i for i, e in enumerate(self._contract) if e.alias == i)
         #: every exchange record has this length, so mismatched operations still match in MPI
-        self._record_words = max(5 + self._words, 2 + heads)
+        self._record_words = max(5 + self._words, 2 + len(self._heads))
         self._window = 0
         self._closed = False
         self._failed: str | None = None  # set by the first CollectiveError: the session is unusable
@@ -200,8 +201,7 @@ class DataParallel:
         return self
 
     def _broadcast(self, root: int) -> None:
-        heads = [i for i, e in enumerate(self._contract) if e.alias == i]
-        slots = [slot(arrays.view(self._arrays[i])) for i in heads]
+        slots = [slot(arrays.view(self._arrays[i])) for i in self._heads]
         calls = plan([s.flat.nbytes for s in slots], [True] * len(slots), self._chunk_bytes)
         label = "initialize: Bcast"
         bcast_calls(calls, slots, self._stage.view(np.uint8), lambda b: self._comm.Bcast(b, root, label), self.rank == root)
@@ -260,7 +260,9 @@ class DataParallel:
                 return f"parameter {entry.name!r} changed after initialize: {now} was {info}"
         return None
 
-    def _check_gradients(self, grads: Any, local: list[Any], names: list[str | None]) -> str | None:
+    def _check_gradients(
+        self, grads: Any, local: list[Any], views: list[Any], names: list[str | None]
+    ) -> str | None:
         if not isinstance(grads, Mapping):
             return f"grads must be a mapping of names to arrays, got {type(grads).__name__}"
         seen: dict[int, str] = {}
@@ -286,8 +288,9 @@ class DataParallel:
             if why is not None:
                 return f"gradient {name!r}: {why}"
             local[index] = g
+            views[index] = arrays.view(g)
             names[index] = name
-        return _overlap(local, names)
+        return _overlap(views, names)
 
     def reduce(
         self,
@@ -323,11 +326,12 @@ class DataParallel:
         self._window += 1
         n = len(self._slots)
         local: list[Any] = [None] * n
+        views: list[Any] = [None] * n
         names: list[str | None] = [None] * n
         try:
-            error = self._check_replica() or self._check_gradients(grads, local, names)
+            error = self._check_replica() or self._check_gradients(grads, local, views, names)
         except Exception as e:  # noqa: BLE001 - reported to every rank, never raised alone
-            local, names = [None] * n, [None] * n
+            local, views, names = [None] * n, [None] * n, [None] * n
             error = f"could not read the gradients: {type(e).__name__}: {e}"
         weight = 0
         if isinstance(local_weight, bool) or not isinstance(local_weight, numbers.Integral):
@@ -353,15 +357,15 @@ class DataParallel:
         record[5:].view(np.uint8)[: (n + 7) // 8] = np.packbits(present)
         table = self._exchange(record, f"reduce (window {self._window}): exchange")
         self._agree(table[:, 3], error)
-        if (table[:, 4] != self._window).any():
-            other = int(np.argmax(table[:, 4] != table[0, 4]))
+        other = _first_different(table[:, 4])
+        if other is not None:
             raise ContractError(
                 f"ranks are in different windows: rank 0 in window {table[0, 4]}, rank {other} in window "
                 f"{table[other, 4]} (a rank skipped or added a reduce)"
             )
         codes = table[:, 2]
-        if (codes != codes[0]).any():
-            other = int(np.argmax(codes != codes[0]))
+        other = _first_different(codes)
+        if other is not None:
             raise ContractError(
                 f"ranks disagree on the missing-gradient policy: rank 0 uses "
                 f"{MissingGradientPolicy(int(codes[0])).name}, rank {other} uses {MissingGradientPolicy(int(codes[other])).name}"
@@ -382,7 +386,7 @@ class DataParallel:
         if len(self._plans) > 8:
             del self._plans[next(iter(self._plans))]
         try:
-            gradients = self._reduce(calls, globally, local, names, weight, global_weight)
+            gradients = self._reduce(calls, globally, local, views, names, weight, global_weight)
         except CollectiveError as e:
             self._failed = str(e)
             raise
@@ -409,6 +413,7 @@ class DataParallel:
         calls: tuple[Call, ...],
         globally: np.ndarray,
         local: list[Any],
+        views: list[Any],
         names: list[str | None],
         weight: int,
         global_weight: int,
@@ -416,12 +421,12 @@ class DataParallel:
         out: dict[str, Any] = {}
         slots: list[Any] = [None] * len(local)
         for index in np.flatnonzero(globally):
-            g = local[index]
+            g, v = local[index], views[index]
             head = self._slots[index]
             if g is None:
                 g = arrays.zeros_like(self._arrays[head])
-            v = arrays.view(g)
-            if weight == 0 and local[index] is not None:
+                v = arrays.view(g)
+            elif weight == 0:
                 v[...] = 0
             slots[index] = slot(v)
             out[names[index] or self._contract[head].name] = g
@@ -480,7 +485,7 @@ class DataParallel:
         """
         self._usable()
         error = self._check_replica()
-        heads = [i for i, e in enumerate(self._contract) if e.alias == i]
+        heads = self._heads
         record = self._record(_VERIFY)
         record[1] = error is not None
         if error is None:
@@ -508,8 +513,8 @@ class DataParallel:
         """Allgather ``record``; raise on every rank if ranks are in different operations."""
         table = self._comm.Allgather(record, label)
         tags = table[:, 0]
-        if (tags != tags[0]).any():
-            other = int(np.argmax(tags != tags[0]))
+        other = _first_different(tags)
+        if other is not None:
             raise ContractError(
                 f"ranks are in different mpidp operations: rank 0 in {_OPERATIONS.get(int(tags[0]), '?')}, "
                 f"rank {other} in {_OPERATIONS.get(int(tags[other]), '?')}"
@@ -542,16 +547,19 @@ def _bytes(v: Any) -> memoryview:
     return memoryview(data)
 
 
+def _first_different(column: np.ndarray) -> int | None:
+    """The first rank whose value differs from rank 0's, or None when all agree."""
+    differ = column != column[0]
+    return int(np.argmax(differ)) if differ.any() else None
+
+
 _byte_bounds = getattr(np, "byte_bounds", None) or np.lib.array_utils.byte_bounds
 
 
-def _overlap(local: list[Any], names: list[str | None]) -> str | None:
+def _overlap(views: list[Any], names: list[str | None]) -> str | None:
     """Name two host gradients whose memory overlaps (each result needs its own memory), or None."""
     ranges = []
-    for g, name in zip(local, names):
-        if g is None:
-            continue
-        v = arrays.view(g)
+    for v, name in zip(views, names):
         if isinstance(v, np.ndarray) and v.size:
             lo, hi = _byte_bounds(v)
             ranges.append((lo, hi, name))

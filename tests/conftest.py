@@ -40,6 +40,15 @@ def comm() -> MPI.Comm:
     return MPI.COMM_WORLD
 
 
+@pytest.fixture(params=["one", "every"])
+def where(request: pytest.FixtureRequest, comm: MPI.Comm) -> tuple[bool, int]:
+    """Whether this rank holds the bad input, and the first rank that does."""
+    if request.param == "one":
+        bad = comm.size - 1
+        return comm.rank == bad, bad
+    return True, 0
+
+
 def outcome(fn: Callable[[], Any]) -> tuple[str, str] | None:
     """Run ``fn`` and return ``(exception type, message)``, or None if it returned."""
     try:

@@ -244,15 +244,6 @@ def test_reduce_allocates_no_model_sized_memory_after_the_first_window(comm: MPI
 # -------------------------------------------------------------- errors
 
 
-@pytest.fixture(params=["one", "every"])
-def where(request: pytest.FixtureRequest, comm: MPI.Comm) -> tuple[bool, int]:
-    """Whether this rank holds the bad input, and the first rank that does."""
-    if request.param == "one":
-        bad = comm.size - 1
-        return comm.rank == bad, bad
-    return True, 0
-
-
 LOCAL_INIT_ERRORS = {
     "int64": (lambda p: p.__setitem__("steps", np.zeros(3, np.int64)), "'steps'", "int64 arrays need explicit synchronization"),
     "bool": (lambda p: p.__setitem__("mask", np.zeros(3, bool)), "'mask'", "bool arrays need explicit synchronization"),

@@ -360,15 +360,6 @@ def test_import_mpidp_imports_neither_torch_nor_the_examples() -> None:
 # ---------------------------------------------------------------- consensus errors
 
 
-@pytest.fixture(params=["one", "every"])
-def where(request: pytest.FixtureRequest, comm: MPI.Comm) -> tuple[bool, int]:
-    """Whether this rank holds the bad input, and the first rank that does."""
-    if request.param == "one":
-        bad = comm.size - 1
-        return comm.rank == bad, bad
-    return True, 0
-
-
 class Counter(nn.Module):
     """A module with an integer buffer."""
 

@@ -12,7 +12,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-__all__ = ["BFLOAT16", "FLOATING", "ArrayInfo", "describe", "empty_like", "flat_zeros", "view", "zeros_like"]
+__all__ = ["BFLOAT16", "FLOATING", "ArrayInfo", "describe", "empty_like", "fingerprint", "flat_zeros", "view", "zeros_like"]
 
 BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 #: dtypes mpidp synchronises; everything else is refused.
@@ -87,6 +87,22 @@ def signature(x: Any) -> tuple[Any, ...]:
     if isinstance(x, np.ndarray):
         return (np.ndarray, x.dtype, x.shape)
     return (type(x), x.dtype, tuple(x.shape), x.device)
+
+
+def fingerprint(x: Any) -> tuple[Any, ...]:
+    """Everything about ``x`` that a gradient check depends on, cheap to compare every window.
+
+    With the object's identity it pins down dtype, shape, layout, memory and
+    writability: two equal fingerprints of the same object mean an earlier
+    check of it still holds.
+    """
+    if isinstance(x, np.ndarray):  # a NumPy array's memory only moves with its shape (resize)
+        return (x.dtype, x.shape, x.strides, x.flags.writeable)
+    if _backend(x) == "torch":  # a tensor's storage can be swapped under it (.data =, .set_)
+        return (x.dtype, x.shape, x.stride(), x.device, x.data_ptr(), x.layout, x.is_neg(), x.is_conj())
+    if _backend(x) == "cupy":
+        return (x.dtype, x.shape, x.strides, x.data.ptr, x.device.id)
+    return (type(x), id(x))  # not an array: never equal to an accepted gradient's
 
 
 def current_device(backend: str) -> str:

@@ -6,6 +6,7 @@ import enum
 import itertools
 import numbers
 import warnings
+import weakref
 import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -17,7 +18,7 @@ from mpi4py import MPI
 from . import arrays, contract, cuda, guard, launch
 from .comm import Communicator
 from .errors import CollectiveError, ContractError
-from .packing import DEFAULT_CHUNK_BYTES, Call, bcast_calls, plan, reduce_calls, slot
+from .packing import DEFAULT_CHUNK_BYTES, Call, Slot, bcast_calls, plan, reduce_calls, slot
 
 __all__ = ["DataParallel", "MissingGradientPolicy", "ReducedGradients"]
 
@@ -100,6 +101,12 @@ class DataParallel:
         self._failed: str | None = None  # set by the first CollectiveError: the session is unusable
         self._flat: dict[str, Any] | None = None  # dtype -> flat gradient storage
         self._flat_views: dict[str, Any] = {}
+        #: reduction slot -> (flat-storage gradient, its fingerprint, view and Slot), built by gradient_buffers
+        self._flat_slots: dict[int, tuple[Any, tuple[Any, ...], Any, Slot]] = {}
+        #: name -> (weak reference, fingerprint) of every gradient of the last window that passed the
+        #: checks: the same objects, unchanged, pass again without a second look (weak, so that a
+        #: caller who allocates new gradients every window does not keep the old ones alive)
+        self._accepted: dict[str, tuple[Any, tuple[Any, ...]]] = {}
 
     # ------------------------------------------------------------------ set-up
 
@@ -265,6 +272,9 @@ class DataParallel:
     ) -> str | None:
         if not isinstance(grads, Mapping):
             return f"grads must be a mapping of names to arrays, got {type(grads).__name__}"
+        if self._accepted_again(grads, local, views, names):
+            return None
+        self._accepted = {}
         seen: dict[int, str] = {}
         for name in sorted(grads, key=str):
             index = self._slot_of.get(name)
@@ -288,9 +298,39 @@ class DataParallel:
             if why is not None:
                 return f"gradient {name!r}: {why}"
             local[index] = g
-            views[index] = arrays.view(g)
+            views[index] = self._view(index, g)
             names[index] = name
-        return _overlap(views, names)
+        why = _overlap(views, names)
+        if why is None:
+            try:
+                self._accepted = {name: (weakref.ref(grads[name]), arrays.fingerprint(grads[name])) for name in grads}
+            except TypeError:  # an array type without weak references: checked in full every window
+                self._accepted = {}
+        return why
+
+    def _accepted_again(self, grads: Mapping[str, Any], local: list[Any], views: list[Any], names: list[str | None]) -> bool:
+        """Fill the window's lists if ``grads`` are the last accepted window's arrays, unchanged."""
+        accepted = self._accepted
+        if not accepted or len(grads) != len(accepted):
+            return False
+        for name, g in grads.items():
+            entry = accepted.get(name)
+            if entry is None or entry[0]() is not g or arrays.fingerprint(g) != entry[1]:
+                n = len(local)
+                local[:], views[:], names[:] = [None] * n, [None] * n, [None] * n
+                return False
+            index = self._slot_of[name]
+            local[index], views[index], names[index] = g, self._view(index, g), name
+        return True
+
+    def _flat_slot(self, index: int, g: Any) -> tuple[Any, tuple[Any, ...], Any, Slot] | None:
+        """The prepared view and Slot of ``g`` if it is the unchanged flat-storage gradient of ``index``."""
+        flat = self._flat_slots.get(index)
+        return flat if flat is not None and flat[0] is g and arrays.fingerprint(g) == flat[1] else None
+
+    def _view(self, index: int, g: Any) -> Any:
+        flat = self._flat_slot(index, g)
+        return flat[2] if flat is not None else arrays.view(g)
 
     def reduce(
         self,
@@ -428,7 +468,8 @@ class DataParallel:
                 v = arrays.view(g)
             elif weight == 0:
                 v[...] = 0
-            slots[index] = slot(v)
+            flat = self._flat_slot(index, g)
+            slots[index] = flat[3] if flat is not None else slot(v)
             out[names[index] or self._contract[head].name] = g
         label = f"reduce (window {self._window}): Allreduce"
         reduce_calls(calls, slots, self._stage, lambda b: self._comm.Allreduce(b, label), np.float32(global_weight))
@@ -467,6 +508,8 @@ class DataParallel:
                 else:  # an empty array
                     g = arrays.zeros_like(self._arrays[head])
                 self._flat_views[self._contract[head].name] = g
+                v = arrays.view(g)
+                self._flat_slots[index] = (g, arrays.fingerprint(g), v, slot(v))
         return dict(self._flat_views)
 
     def zero_gradients(self) -> None:

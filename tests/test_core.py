@@ -636,3 +636,92 @@ def test_bad_timeout_is_refused_everywhere(comm: MPI.Comm, where: tuple[bool, in
         comm, lambda: mpidp.DataParallel.initialize(model(0), comm, timeout=-1 if mine else None), ContractError,
         f"rank {bad}: timeout must be a non-negative number of seconds, got -1",
     )
+
+
+# ------------------------------------------ the same gradients, window after window
+
+def _freeze_big(g: dict[str, Any]) -> None:
+    g["big"].flags.writeable = False
+
+
+def _reshape_in_place(g: dict[str, Any]) -> None:
+    g["big"].shape = (1000, 300)
+
+
+def _restride_in_place(g: dict[str, Any]) -> None:
+    import warnings
+
+    with warnings.catch_warnings():  # deprecated in NumPy 2.4, still possible
+        warnings.simplefilter("ignore", DeprecationWarning)
+        g["embed"].strides = (4, 64 * 4)  # the transpose's layout, under the same object
+
+
+CHANGED_IN_PLACE = {
+    "read-only": (_freeze_big, "gradient 'big': it is read-only"),
+    "reshaped": (_reshape_in_place, "gradient 'big': shape (1000, 300) differs from its parameter's (300000,)"),
+    "restrided": (_restride_in_place, "gradient 'embed'"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CHANGED_IN_PLACE))
+def test_gradients_accepted_before_are_checked_again_when_changed_in_place(
+    comm: MPI.Comm, dp: Any, where: tuple[bool, int], case: str
+) -> None:
+    """Passing the same arrays every window is the fast path; changing one of them in place is still caught."""
+    mine, bad = where
+    grads = grads_for(dp.params, np.random.default_rng(comm.rank))
+    dp.reduce(grads, 1)
+    dp.reduce(grads, 1)  # the same objects, unchanged: accepted again
+    change, fragment = CHANGED_IN_PLACE[case]
+    if mine:
+        change(grads)
+    if case == "restrided":  # a legal but different layout: reduced correctly, not refused
+        expected, weight = gathered_expectation(comm, grads, 1)
+        out = dp.reduce(grads, 1)
+        assert_close(out.gradients["embed"], expected["embed"], "float32")
+        assert_same_on_every_rank(comm, out.gradients)
+        return
+    before = snapshot(grads)
+    same_error_everywhere(comm, lambda: dp.reduce(grads, 1), ContractError, f"rank {bad}: {fragment}")
+    assert snapshot(grads) == before
+
+
+def test_gradients_accepted_before_and_now_sharing_memory_are_refused(comm: MPI.Comm, dp: Any, where: tuple[bool, int]) -> None:
+    mine, bad = where
+    grads = grads_for(dp.params, np.random.default_rng(comm.rank))
+    dp.reduce(grads, 1)
+    if mine:
+        grads["bias"] = grads["big"][:7]
+    same_error_everywhere(comm, lambda: dp.reduce(grads, 1), ContractError, f"rank {bad}: gradients 'bias' and 'big' share memory")
+
+
+def test_accepted_gradients_are_not_kept_alive(comm: MPI.Comm, dp: Any) -> None:
+    """A caller who allocates new gradients every window does not pay for the last window's."""
+    import weakref
+
+    grads = grads_for(dp.params, np.random.default_rng(comm.rank))
+    dp.reduce(grads, 1)
+    ref = weakref.ref(grads["big"])
+    del grads
+    assert ref() is None
+
+
+def test_gradient_buffers_restrided_in_place_reduce_correctly(comm: MPI.Comm, dp: Any) -> None:
+    """mpidp prepares its flat-storage views once; one the caller re-strides still reduces correctly."""
+    import warnings
+
+    bufs = dp.gradient_buffers()
+    rng = np.random.default_rng(comm.rank)
+    for g in grads_for(dp.params, rng).items():
+        bufs[g[0]][...] = g[1]
+    dp.reduce(bufs, 1)
+    for name, g in grads_for(dp.params, rng).items():
+        bufs[name][...] = g
+    with warnings.catch_warnings():  # deprecated in NumPy 2.4, still possible
+        warnings.simplefilter("ignore", DeprecationWarning)
+        bufs["embed"].strides = (4, 64 * 4)
+    expected, _ = gathered_expectation(comm, bufs, 1)
+    out = dp.reduce(bufs, 1)
+    for name in TRAINABLE:
+        assert_close(out.gradients[name], expected[name], str(dp.params[name].dtype))
+    assert_same_on_every_rank(comm, out.gradients)

@@ -503,3 +503,21 @@ def test_load_state_dict_after_the_wrapper_keeps_working(comm: MPI.Comm) -> None
         torch.optim.SGD(model.parameters(), lr=0.1).step()
         dp.verify_replicas()
 
+
+
+def test_a_flat_storage_gradient_whose_storage_was_swapped_is_reduced_where_it_is_now(comm: MPI.Comm) -> None:
+    """``grad.data = other`` moves a tensor's memory under the same object: the new memory is reduced."""
+    params = {"w": torch.zeros(1000), "b": torch.zeros(10)}
+    with mpidp.DataParallel.initialize(params, comm) as dp:
+        bufs = dp.gradient_buffers()
+        bufs["w"].fill_(1.0)
+        bufs["b"].fill_(1.0)
+        dp.reduce(bufs, 1)  # prepares and accepts the flat-storage views
+        swapped = torch.full((1000,), float(comm.rank + 1))
+        bufs["w"].data = swapped
+        bufs["b"].fill_(float(comm.rank))
+        out = dp.reduce(bufs, 2).gradients  # weight 2: even one rank's result differs from its input
+        total = torch.tensor(sum(range(1, comm.size + 1)), dtype=torch.float32) / (2 * comm.size)
+        assert out["w"] is bufs["w"]
+        assert torch.equal(bufs["w"], total.expand(1000)), bufs["w"][:4]
+        assert torch.equal(out["b"], (torch.tensor(sum(range(comm.size)), dtype=torch.float32) / (2 * comm.size)).expand(10))

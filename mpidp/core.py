@@ -18,7 +18,15 @@ from mpi4py import MPI
 from . import arrays, contract, cuda, guard, launch
 from .comm import Communicator
 from .errors import CollectiveError, ContractError
-from .packing import DEFAULT_CHUNK_BYTES, Call, Slot, bcast_calls, plan, reduce_calls, slot
+from .packing import (
+    DEFAULT_CHUNK_BYTES,
+    Call,
+    Slot,
+    bcast_calls,
+    plan,
+    reduce_calls,
+    slot,
+)
 
 __all__ = ["DataParallel", "MissingGradientPolicy", "ReducedGradients"]
 
@@ -460,7 +468,7 @@ class DataParallel:
     ) -> dict[str, Any]:
         out: dict[str, Any] = {}
         slots: list[Any] = [None] * len(local)
-        for index in np.flatnonzero(globally):
+        for index in np.flatnonzero(globally).tolist():
             g, v = local[index], views[index]
             head = self._slots[index]
             if g is None:

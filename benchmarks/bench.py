@@ -53,6 +53,7 @@ import gradsets
 import report
 
 import mpidp
+from mpidp import packing
 from mpidp.packing import DEFAULT_CHUNK_BYTES
 
 COMM = MPI.COMM_WORLD
@@ -214,6 +215,18 @@ def memory(fn: Fn) -> dict[str, int | None]:
 # ------------------------------------------------------------ the raw limit
 
 
+def real_zeros(n: int, dtype: Any) -> np.ndarray:
+    """Zeros in written memory: zeros stay zeros (no overflow, no denormals), and the limit reads real pages.
+
+    ``np.zeros`` maps untouched pages to the kernel's one zero page: a root
+    that only ever reads its buffer (Bcast) then reads one cache-hot page
+    and its "limit" is faster than any real parameter memory can be.
+    """
+    buf = np.empty(n, dtype=dtype)
+    buf.fill(0)
+    return buf
+
+
 def chunk_views(buf: np.ndarray, chunk_bytes: int) -> list[np.ndarray]:
     n = max(1, chunk_bytes // buf.itemsize)
     return [buf[s : s + n] for s in range(0, buf.size, n)]
@@ -286,6 +299,48 @@ def per_tensor(grads: dict[str, np.ndarray]) -> Fn:
         for g in tensors:
             COMM.Allreduce(MPI.IN_PLACE, g, MPI.SUM)
             np.divide(g, w, out=g)
+
+    return run
+
+
+#: Horovod's HOROVOD_FUSION_THRESHOLD as tuned on this machine (its 128 MiB default is slower here)
+HOROVOD_FUSION_BYTES = 4 * MIB
+
+
+def horovod_fusion(grads: dict[str, np.ndarray], threshold: int = HOROVOD_FUSION_BYTES) -> Fn:
+    """Horovod's CPU data path over MPI, in NumPy: tensors in order are fused into responses of at most
+    ``threshold`` bytes; a response of one tensor is reduced in place in one call (however large), a
+    response of several is copied into the fusion buffer, reduced, scaled and copied out."""
+    tensors = [g.reshape(-1) for g in grads.values()]
+    groups: list[list[np.ndarray]] = [[]]
+    size = 0
+    for t in tensors:
+        if groups[-1] and size + t.nbytes > threshold:
+            groups.append([])
+            size = 0
+        groups[-1].append(t)
+        size += t.nbytes
+    fusion = np.empty(threshold // 4, np.float32)
+    w = np.float32(global_weight())
+
+    def run() -> None:
+        for group in groups:
+            if len(group) == 1:
+                g = group[0]
+                COMM.Allreduce(MPI.IN_PLACE, g, MPI.SUM)
+                np.divide(g, w, out=g)
+                continue
+            offset = 0
+            for t in group:
+                fusion[offset : offset + t.size] = t
+                offset += t.size
+            buf = fusion[:offset]
+            COMM.Allreduce(MPI.IN_PLACE, buf, MPI.SUM)
+            np.divide(buf, w, out=buf)
+            offset = 0
+            for t in group:
+                t[...] = fusion[offset : offset + t.size]
+                offset += t.size
 
     return run
 
@@ -397,9 +452,9 @@ def bench_set(name: str, args: argparse.Namespace, gloo: Gloo | None) -> dict[st
     }
     reps, warmup = args.reps, args.warmup
 
-    limit_buf = np.zeros(n, dtype=np.float32)  # zeros stay zeros: no overflow, no denormals
+    limit_buf = real_zeros(n, np.float32)
     ar = sweep(lambda c: raw_allreduce(limit_buf, c), args.limit_chunks, args.rounds, target)
-    bc_buf = np.zeros(nbytes, dtype=np.uint8)
+    bc_buf = np.full(nbytes, 1, dtype=np.uint8)  # written memory, as parameters are
     bc = sweep(lambda c: raw_bcast(bc_buf, c), args.limit_chunks, args.rounds, target)
     limit, bcast_limit = ar.pop("fn"), bc.pop("fn")
     out["limits"] = {"allreduce": ar, "bcast": bc}
@@ -423,6 +478,10 @@ def bench_set(name: str, args: argparse.Namespace, gloo: Gloo | None) -> dict[st
     if want("per_tensor"):
         record("per_tensor", "one Allreduce per tensor", "allreduce",
                paired(limit, per_tensor(fp32), reps, warmup, inner, reset_values(list(fp32.values()))))
+
+    if want("horovod_fusion"):
+        record("horovod_fusion", f"Horovod-style fusion, {HOROVOD_FUSION_BYTES // MIB} MiB", "allreduce",
+               paired(limit, horovod_fusion(fp32), reps, warmup, inner, reset_values(list(fp32.values()))))
 
     # mpidp, for each dtype mix: caller-allocated arrays and gradient_buffers()
     for mix in gradsets.MIXES:
@@ -453,6 +512,13 @@ def bench_set(name: str, args: argparse.Namespace, gloo: Gloo | None) -> dict[st
                 fn = mpidp_reduce(dp, bufs)
                 res = paired(limit, fn, reps, warmup, inner, reset_values(list(bufs.values())))
                 record(f"mpidp_{mix}_buffers", f"mpidp reduce {mix}, gradient_buffers", "allreduce", res, memory=memory(fn))
+                if mix != "fp32" and casts() == "torch" and want(f"mpidp_{mix}_buffers_numpy_casts"):
+                    packing.TORCH_CASTS = False  # what a process without torch gets
+                    try:
+                        res = paired(limit, fn, reps, warmup, inner, reset_values(list(bufs.values())))
+                    finally:
+                        packing.TORCH_CASTS = None
+                    record(f"mpidp_{mix}_buffers_numpy_casts", f"mpidp reduce {mix}, buffers, NumPy casts", "allreduce", res)
                 del bufs, fn
         finally:
             dp.close()
@@ -476,7 +542,7 @@ def bench_chunks(name: str, args: argparse.Namespace) -> dict[str, Any]:
     _, layout = gradsets.shapes(name, args.quick)
     n = gradsets.count(layout)
     log(f"== chunks: {name}, mpidp reduce for chunk_bytes in {', '.join(map(str, args.limit_chunks))} MiB")
-    limit_buf = np.zeros(n, dtype=np.float32)
+    limit_buf = real_zeros(n, np.float32)
     ar = sweep(lambda c: raw_allreduce(limit_buf, c), args.limit_chunks, args.rounds, args.target_seconds)
     limit = ar.pop("fn")
     rows = []
@@ -560,6 +626,11 @@ def machine() -> dict[str, Any]:
     }
 
 
+def casts() -> str:
+    """Whose 16-bit casts mpidp uses in this process (see mpidp.packing.TORCH_CASTS)."""
+    return "torch" if "torch" in sys.modules and packing.TORCH_CASTS is not False else "numpy"
+
+
 def torch_available() -> bool:
     try:
         import torch.distributed as dist
@@ -585,6 +656,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "warmup": args.warmup,
             "chunk_bytes": args.chunk_bytes,
             "torch": gloo is not None,
+            "casts": casts(),
             "machine": machine(),
             "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
             "load_average_start": load_start,

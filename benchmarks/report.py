@@ -60,6 +60,7 @@ def table(result: dict[str, Any]) -> str:
         (f"mpidp benchmark: {m['world_size']} ranks on {m['machine']['cores']} cores ({m['machine']['cpu']}), "
          f"{m['machine']['mpi']}; load average {la0:.2f} -> {la1:.2f}; {m['reps']} paired repetitions"),
         f"command: {m['command']}",
+        f"16-bit casts: {m.get('casts', 'numpy')} (torch's kernels when the process has imported torch, else NumPy / ml_dtypes)",
         "ratio = median over repetitions of (candidate / raw limit timed next to it)",
     ]
     for name, s in result["sets"].items():

@@ -19,6 +19,7 @@ from . import arrays, contract, cuda, guard, launch
 from .comm import Communicator
 from .errors import CollectiveError, ContractError
 from .packing import (
+    BCAST_SPLIT_BYTES,
     DEFAULT_CHUNK_BYTES,
     Call,
     Slot,
@@ -32,6 +33,8 @@ __all__ = ["DataParallel", "MissingGradientPolicy", "ReducedGradients"]
 
 _U64_MAX = (1 << 64) - 1
 _REDUCE, _VERIFY = 1, 2  # exchange record tags
+#: reduce record columns every rank must agree on: tag, policy, error flag, window
+_AGREED = slice(0, 4)  # reduce record: tag, policy, error flag, window, weight, presence words
 _OPERATIONS = {_REDUCE: "reduce", _VERIFY: "verify_replicas"}
 
 
@@ -98,8 +101,12 @@ class DataParallel:
         }
         self._frozen = frozenset(e.name for e in self._contract if not e.trainable)
         self._sizes = tuple(self._infos[i].size for i in self._slots)
-        self._plans: dict[bytes, tuple[Call, ...]] = {}
+        #: presence bits -> (the plan, the globally present slots)
+        self._plans: dict[bytes, tuple[tuple[Call, ...], list[int]]] = {}
         self._words = (len(self._slots) + 63) // 64
+        #: the presence words of a rank that has every gradient
+        self._complete = np.zeros(self._words, dtype=np.uint64)
+        self._complete.view(np.uint8)[: (len(self._slots) + 7) // 8] = np.packbits(np.ones(len(self._slots), dtype=bool))
         #: contract indices of every tie-group head (frozen ones included): what is broadcast and verified
         self._heads = tuple(i for i, e in enumerate(self._contract) if e.alias == i)
         #: every exchange record has this length, so mismatched operations still match in MPI
@@ -111,10 +118,10 @@ class DataParallel:
         self._flat_views: dict[str, Any] = {}
         #: reduction slot -> (flat-storage gradient, its fingerprint, view and Slot), built by gradient_buffers
         self._flat_slots: dict[int, tuple[Any, tuple[Any, ...], Any, Slot]] = {}
-        #: name -> (weak reference, fingerprint) of every gradient of the last window that passed the
+        #: name -> (weak reference, fingerprint, slot, flat-storage entry or None) of every gradient of the last window that passed the
         #: checks: the same objects, unchanged, pass again without a second look (weak, so that a
         #: caller who allocates new gradients every window does not keep the old ones alive)
-        self._accepted: dict[str, tuple[Any, tuple[Any, ...]]] = {}
+        self._accepted: dict[str, tuple[Any, tuple[Any, ...], int, Any]] = {}
 
     # ------------------------------------------------------------------ set-up
 
@@ -189,14 +196,14 @@ class DataParallel:
             if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, numbers.Integral) or chunk_bytes < 4096:
                 error = error or f"chunk_bytes must be an integer of at least 4096, got {chunk_bytes!r}"
                 chunk_bytes = 0
-            record = (tuple(tuple(e) for e in local.contract), int(root), int(chunk_bytes) // 4 * 4, error)
+            record = (tuple(tuple(e) for e in local.contract), int(root), int(chunk_bytes) // 4 * 4, error, local.device == "cpu")
             records = c.allgather_obj(record)
-            for rank, (_, _, _, err) in enumerate(records):
+            for rank, (_, _, _, err, _) in enumerate(records):
                 if err is not None:
                     raise ContractError(f"rank {rank}: {err}")
             head = records[0]
             reference = tuple(contract.Entry(*e) for e in head[0])
-            for rank, (entries, r, chunk, _) in enumerate(records):
+            for rank, (entries, r, chunk, _, _) in enumerate(records):
                 difference = contract.diff(reference, tuple(contract.Entry(*e) for e in entries))
                 if difference is not None:
                     raise ContractError(f"rank {rank} differs from rank 0: {difference}")
@@ -205,7 +212,8 @@ class DataParallel:
                 if chunk != head[2]:
                     raise ContractError(f"rank {rank} uses chunk_bytes={chunk}, rank 0 chunk_bytes={head[2]}")
             self = cls(c, params, local, int(chunk_bytes) // 4 * 4, watchdog, aware, int(root))
-            self._broadcast(int(root))
+            # large calls only where no rank stages device memory through its chunk-sized pinned buffer
+            self._broadcast(int(root), BCAST_SPLIT_BYTES if all(r[4] for r in records) else None)
         except BaseException:
             if watchdog is not None:
                 watchdog.close()
@@ -215,9 +223,9 @@ class DataParallel:
             guard.install_abort_hook(MPI.COMM_WORLD.Get_rank())
         return self
 
-    def _broadcast(self, root: int) -> None:
+    def _broadcast(self, root: int, split: int | None) -> None:
         slots = [slot(arrays.view(self._arrays[i])) for i in self._heads]
-        calls = plan([s.flat.nbytes for s in slots], [True] * len(slots), self._chunk_bytes)
+        calls = plan([s.flat.nbytes for s in slots], [True] * len(slots), self._chunk_bytes, split)
         label = "initialize: Bcast"
         bcast_calls(calls, slots, self._stage.view(np.uint8), lambda b: self._comm.Bcast(b, root, label), self.rank == root)
 
@@ -276,11 +284,11 @@ class DataParallel:
         return None
 
     def _check_gradients(
-        self, grads: Any, local: list[Any], views: list[Any], names: list[str | None]
+        self, grads: Any, local: list[Any], views: list[Any], names: list[str | None], prepared: list[Any]
     ) -> str | None:
         if not isinstance(grads, Mapping):
             return f"grads must be a mapping of names to arrays, got {type(grads).__name__}"
-        if self._accepted_again(grads, local, views, names):
+        if self._accepted_again(grads, local, views, names, prepared):
             return None
         self._accepted = {}
         seen: dict[int, str] = {}
@@ -306,39 +314,48 @@ class DataParallel:
             if why is not None:
                 return f"gradient {name!r}: {why}"
             local[index] = g
-            views[index] = self._view(index, g)
+            flat = self._flat_slot(index, g)
+            views[index] = flat[2] if flat is not None else arrays.view(g)
+            prepared[index] = None if flat is None else flat[3]
             names[index] = name
         why = _overlap(views, names)
         if why is None:
             try:
-                self._accepted = {name: (weakref.ref(grads[name]), arrays.fingerprint(grads[name])) for name in grads}
+                self._accepted = {
+                    name: (weakref.ref(g), arrays.fingerprint(g), index, self._flat_slot(index, g))
+                    for name, g in grads.items()
+                    for index in (self._slot_of[name],)
+                }
             except TypeError:  # an array type without weak references: checked in full every window
                 self._accepted = {}
         return why
 
-    def _accepted_again(self, grads: Mapping[str, Any], local: list[Any], views: list[Any], names: list[str | None]) -> bool:
+    def _accepted_again(
+        self, grads: Mapping[str, Any], local: list[Any], views: list[Any], names: list[str | None], prepared: list[Any]
+    ) -> bool:
         """Fill the window's lists if ``grads`` are the last accepted window's arrays, unchanged."""
         accepted = self._accepted
         if not accepted or len(grads) != len(accepted):
             return False
+        fingerprint = arrays.fingerprint
         for name, g in grads.items():
             entry = accepted.get(name)
-            if entry is None or entry[0]() is not g or arrays.fingerprint(g) != entry[1]:
+            if entry is None or entry[0]() is not g or fingerprint(g) != entry[1]:
                 n = len(local)
-                local[:], views[:], names[:] = [None] * n, [None] * n, [None] * n
+                local[:], views[:], names[:], prepared[:] = [None] * n, [None] * n, [None] * n, [None] * n
                 return False
-            index = self._slot_of[name]
-            local[index], views[index], names[index] = g, self._view(index, g), name
+            index, flat = entry[2], entry[3]
+            local[index], names[index] = g, name
+            if flat is None:  # a caller's array: only its view is needed again
+                views[index] = arrays.view(g)
+            else:  # mpidp's own flat storage, unchanged since its fingerprint was taken
+                views[index], prepared[index] = flat[2], flat[3]
         return True
 
     def _flat_slot(self, index: int, g: Any) -> tuple[Any, tuple[Any, ...], Any, Slot] | None:
         """The prepared view and Slot of ``g`` if it is the unchanged flat-storage gradient of ``index``."""
         flat = self._flat_slots.get(index)
         return flat if flat is not None and flat[0] is g and arrays.fingerprint(g) == flat[1] else None
-
-    def _view(self, index: int, g: Any) -> Any:
-        flat = self._flat_slot(index, g)
-        return flat[2] if flat is not None else arrays.view(g)
 
     def reduce(
         self,
@@ -376,10 +393,11 @@ class DataParallel:
         local: list[Any] = [None] * n
         views: list[Any] = [None] * n
         names: list[str | None] = [None] * n
+        prepared: list[Any] = [None] * n  # Slots of mpidp's own flat storage, built once
         try:
-            error = self._check_replica() or self._check_gradients(grads, local, views, names)
+            error = self._check_replica() or self._check_gradients(grads, local, views, names, prepared)
         except Exception as e:  # noqa: BLE001 - reported to every rank, never raised alone
-            local, views, names = [None] * n, [None] * n, [None] * n
+            local, views, names, prepared = [None] * n, [None] * n, [None] * n, [None] * n
             error = f"could not read the gradients: {type(e).__name__}: {e}"
         weight = 0
         if isinstance(local_weight, bool) or not isinstance(local_weight, numbers.Integral):
@@ -393,52 +411,64 @@ class DataParallel:
             code = 255
         else:
             code = policy.value
-        present = np.array([g is not None for g in local], dtype=bool)
-        if error is None and code == MissingGradientPolicy.ERROR.value and weight > 0 and not present.all():
-            missing = self._contract[self._slots[int(np.argmin(present))]].name
+        complete = all(g is not None for g in local)
+        if error is None and code == MissingGradientPolicy.ERROR.value and weight > 0 and not complete:
+            missing = self._contract[self._slots[next(i for i, g in enumerate(local) if g is None)]].name
             error = (
                 f"parameter {missing!r} has no gradient (policy ERROR, local weight {weight}); "
                 "pass policy=MissingGradientPolicy.ZERO if it is legitimately unused"
             )
         record = self._record(_REDUCE)
-        record[1:5] = (weight, code, error is not None, self._window)
-        record[5:].view(np.uint8)[: (n + 7) // 8] = np.packbits(present)
-        table = self._exchange(record, f"reduce (window {self._window}): exchange")
-        self._agree(table[:, 3], error)
-        other = _first_different(table[:, 4])
+        record[1:5] = (code, error is not None, self._window, weight)
+        if complete:
+            record[5 : 5 + self._words] = self._complete
+        else:
+            record[5:].view(np.uint8)[: (n + 7) // 8] = np.packbits(np.array([g is not None for g in local], dtype=bool))
+        label = f"reduce (window {self._window})"
+        table = self._comm.Allgather(record, f"{label}: exchange")
+        first = table[0]
+        if first[2] or not (table[:, _AGREED] == first[_AGREED]).all():  # the one check of the usual window
+            self._disagreement(table, error)
+        weights = table[:, 4]
+        global_weight = sum(weights.tolist())  # exact: Python ints
+        if global_weight > _U64_MAX:
+            raise ContractError(f"the global weight {global_weight} does not fit in 64 bits")
+        if global_weight == 0:
+            raise ContractError("the global weight is 0: no rank has a token in this window, nothing to normalize")
+        bits = np.bitwise_or.reduce(table[weights > 0, 5 : 5 + self._words], axis=0)
+        key = bits.tobytes()
+        entry = self._plans.pop(key, None)  # a small LRU: presence patterns can be endless
+        if entry is None:
+            globally = np.unpackbits(bits.view(np.uint8), count=n).astype(bool).tolist()
+            entry = (plan(self._sizes, globally, len(self._stage)), [i for i, here in enumerate(globally) if here])
+        self._plans[key] = entry
+        if len(self._plans) > 8:
+            del self._plans[next(iter(self._plans))]
+        try:
+            gradients = self._reduce(entry[0], entry[1], local, views, names, prepared, weight, global_weight, label)
+        except CollectiveError as e:
+            self._failed = str(e)
+            raise
+        return ReducedGradients(gradients, global_weight)
+
+    def _disagreement(self, table: np.ndarray, error: str | None) -> None:
+        """Raise the error every rank agrees on from an exchange table that is not unanimous."""
+        _check_operations(table)
+        self._agree(table[:, 2], error)
+        other = _first_different(table[:, 3])
         if other is not None:
             raise ContractError(
-                f"ranks are in different windows: rank 0 in window {table[0, 4]}, rank {other} in window "
-                f"{table[other, 4]} (a rank skipped or added a reduce)"
+                f"ranks are in different windows: rank 0 in window {table[0, 3]}, rank {other} in window "
+                f"{table[other, 3]} (a rank skipped or added a reduce)"
             )
-        codes = table[:, 2]
+        codes = table[:, 1]
         other = _first_different(codes)
         if other is not None:
             raise ContractError(
                 f"ranks disagree on the missing-gradient policy: rank 0 uses "
                 f"{MissingGradientPolicy(int(codes[0])).name}, rank {other} uses {MissingGradientPolicy(int(codes[other])).name}"
             )
-        global_weight = sum(int(w) for w in table[:, 1])
-        if global_weight > _U64_MAX:
-            raise ContractError(f"the global weight {global_weight} does not fit in 64 bits")
-        if global_weight == 0:
-            raise ContractError("the global weight is 0: no rank has a token in this window, nothing to normalize")
-        weighted = table[table[:, 1] > 0, 5 : 5 + self._words]
-        bits = np.bitwise_or.reduce(weighted, axis=0).view(np.uint8)
-        key = bits.tobytes()
-        globally = np.unpackbits(bits, count=n).astype(bool)
-        calls = self._plans.pop(key, None)  # a small LRU: presence patterns can be endless
-        if calls is None:
-            calls = plan(self._sizes, globally.tolist(), len(self._stage))
-        self._plans[key] = calls
-        if len(self._plans) > 8:
-            del self._plans[next(iter(self._plans))]
-        try:
-            gradients = self._reduce(calls, globally, local, views, names, weight, global_weight)
-        except CollectiveError as e:
-            self._failed = str(e)
-            raise
-        return ReducedGradients(gradients, global_weight)
+        raise ContractError("ranks sent exchange records that disagree")  # pragma: no cover - only if records were misread
 
     def _usable(self) -> None:
         if self._closed:
@@ -459,28 +489,32 @@ class DataParallel:
     def _reduce(
         self,
         calls: tuple[Call, ...],
-        globally: np.ndarray,
+        indices: list[int],
         local: list[Any],
         views: list[Any],
         names: list[str | None],
+        prepared: list[Any],
         weight: int,
         global_weight: int,
+        label: str,
     ) -> dict[str, Any]:
         out: dict[str, Any] = {}
-        slots: list[Any] = [None] * len(local)
-        for index in np.flatnonzero(globally).tolist():
-            g, v = local[index], views[index]
-            head = self._slots[index]
+        slots: list[Any] = prepared  # filled in for every globally present slot
+        for index in indices:
+            g = local[index]
             if g is None:
+                head = self._slots[index]
                 g = arrays.zeros_like(self._arrays[head])
-                v = arrays.view(g)
-            elif weight == 0:
-                v[...] = 0
-            flat = self._flat_slot(index, g)
-            slots[index] = flat[3] if flat is not None else slot(v)
-            out[names[index] or self._contract[head].name] = g
-        label = f"reduce (window {self._window}): Allreduce"
-        reduce_calls(calls, slots, self._stage, lambda b: self._comm.Allreduce(b, label), np.float32(global_weight))
+                slots[index] = slot(arrays.view(g))
+                out[self._contract[head].name] = g
+                continue
+            if weight == 0:
+                views[index][...] = 0
+            if slots[index] is None:
+                slots[index] = slot(views[index])
+            out[names[index]] = g  # type: ignore[index]
+        label = f"{label}: Allreduce"
+        reduce_calls(calls, slots, self._stage, lambda b: self._comm.Allreduce(b, label), global_weight)
         return out
 
     # ------------------------------------------------- flat gradient storage
@@ -563,13 +597,7 @@ class DataParallel:
     def _exchange(self, record: np.ndarray, label: str) -> np.ndarray:
         """Allgather ``record``; raise on every rank if ranks are in different operations."""
         table = self._comm.Allgather(record, label)
-        tags = table[:, 0]
-        other = _first_different(tags)
-        if other is not None:
-            raise ContractError(
-                f"ranks are in different mpidp operations: rank 0 in {_OPERATIONS.get(int(tags[0]), '?')}, "
-                f"rank {other} in {_OPERATIONS.get(int(tags[other]), '?')}"
-            )
+        _check_operations(table)
         return table
 
     def close(self) -> None:
@@ -596,6 +624,17 @@ def _bytes(v: Any) -> memoryview:
         v = v.get()
     data: Any = np.ascontiguousarray(v).reshape(-1).view(np.uint8)
     return memoryview(data)
+
+
+def _check_operations(table: np.ndarray) -> None:
+    """Raise on every rank if the ranks of an exchange ``table`` are in different operations."""
+    tags = table[:, 0]
+    other = _first_different(tags)
+    if other is not None:
+        raise ContractError(
+            f"ranks are in different mpidp operations: rank 0 in {_OPERATIONS.get(int(tags[0]), '?')}, "
+            f"rank {other} in {_OPERATIONS.get(int(tags[other]), '?')}"
+        )
 
 
 def _first_different(column: np.ndarray) -> int | None:

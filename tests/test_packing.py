@@ -89,3 +89,57 @@ def test_bcast_calls_moves_bytes_into_non_root_slots() -> None:
     bcast_calls(calls, [slot(a) for a in dst], stage_other, receive, False)
     for a, b in zip(src, dst):
         assert a.tobytes() == b.tobytes()
+
+
+def _adversarial(rng: np.random.Generator, n: int, dtype: np.dtype) -> np.ndarray:
+    """Every kind of 16-bit value: random bit patterns (subnormals, infinities, extremes), no NaN."""
+    bits = rng.integers(0, 1 << 16, n, dtype=np.uint32).astype(np.uint16)
+    bits[: 1 << 15] = np.arange(1 << 15, dtype=np.uint16)  # every positive pattern, then some negatives
+    bits[1 << 15 : 1 << 16] = np.arange(1 << 15, dtype=np.uint16) | 0x8000
+    a = bits.view(dtype)
+    a[np.isnan(a.astype(np.float32))] = 1
+    return a
+
+
+@pytest.mark.parametrize("casts", ["numpy", "torch"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("scale", [3, 8, 1000003])
+def test_large_16_bit_segments_are_bitwise_the_reference_casts(monkeypatch: pytest.MonkeyPatch, casts: str, dtype: str, scale: int) -> None:
+    """The fast casts (integer bfloat16 passes, torch's kernels) equal astype(float32) / scale -> astype(dtype)."""
+    from mpidp import packing
+
+    if casts == "torch":
+        pytest.importorskip("torch")
+    else:
+        monkeypatch.setattr(packing, "TORCH_CASTS", False)
+    d = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(np.float16)
+    rng = np.random.default_rng(scale)
+    big = _adversarial(rng, 300_000, d)
+    small = _adversarial(rng, 70_000, d)[-5000:]  # packed with others into one call
+    tiny = _adversarial(rng, 70_000, d)[-100:]  # below the torch threshold
+    f32 = rng.standard_normal(3000).astype(np.float32)
+    arrays = [big, small, tiny, f32]
+    with np.errstate(all="ignore"):
+        expected = [(a.astype(np.float32) / np.float32(scale)).astype(a.dtype) for a in arrays]
+    _run(arrays, 1 << 17, scale)
+    for a, e in zip(arrays, expected):
+        assert a.tobytes() == e.tobytes(), (a.dtype, np.flatnonzero(a.view(np.uint8) != e.view(np.uint8))[:5])
+
+
+@pytest.mark.parametrize("casts", ["numpy", "torch"])
+def test_nan_stays_nan_through_the_fast_casts(monkeypatch: pytest.MonkeyPatch, casts: str) -> None:
+    from mpidp import packing
+
+    if casts == "torch":
+        pytest.importorskip("torch")
+    else:
+        monkeypatch.setattr(packing, "TORCH_CASTS", False)
+    for dtype in (np.dtype(ml_dtypes.bfloat16), np.dtype(np.float16)):
+        a = np.full(200_000, 2.0, dtype=dtype)
+        a[[0, 77, 199_999]] = np.nan
+        _run([a], 1 << 16, 3)
+        f = a.astype(np.float32)
+        assert np.isnan(f[[0, 77, 199_999]]).all()
+        keep = np.ones(a.size, bool)
+        keep[[0, 77, 199_999]] = False
+        assert (a[keep] == (np.float32(2) / np.float32(3)).astype(dtype)).all()

@@ -99,6 +99,12 @@ class DataParallel:
         #: the first name (in contract order) of every tie group, frozen ones included
         self._heads = tuple(first.values())
         self._trainable = frozenset(self._core.trainable)
+        #: every trainable head's .grad lives in the core's flat storage: reduced in place, no packing
+        self._grads = self._core.gradient_buffers()
+        self._hooks = [
+            self._params[head].register_post_accumulate_grad_hook(_into_flat(self._grads[head]))
+            for head in self._core.trainable
+        ]
 
     # --------------------------------------------------------------- accessors
 
@@ -147,7 +153,6 @@ class DataParallel:
         params = self._refresh()
         weight = _as_int(local_weight)
         grads: dict[str, Any] = {}
-        spare: dict[str, Any] | None = None
         for head in self._heads:
             p = params.get(head)
             if p is None:
@@ -160,9 +165,7 @@ class DataParallel:
             elif type(weight) is int and weight == 0 and head in self._trainable:
                 # a rank without tokens contributes zeros (its gradients are ignored): lend
                 # it the persistent flat storage instead of a new allocation every window
-                if spare is None:
-                    spare = self._core.gradient_buffers()
-                grads[head] = spare[head]
+                grads[head] = self._grads[head]
         out = self._core.reduce(grads, weight, policy)
         for head in self._core.trainable:
             p = params[head]
@@ -238,8 +241,25 @@ class DataParallel:
         self._refresh()
         self._core.verify_replicas()
 
+    def zero_grad(self) -> None:
+        """Zero every trainable ``.grad`` in place, in mpidp's flat storage (local; one fill per dtype).
+
+        ``optimizer.zero_grad()`` works too: its default ``set_to_none=True``
+        lets the next backward allocate new gradients, which then cost one
+        copy each into the flat storage; ``set_to_none=False`` or this method
+        keep them there.
+        """
+        self._core.zero_gradients()
+        for head in self._core.trainable:
+            p = self._params[head]
+            if p.grad is not None and p.grad is not self._grads[head]:
+                p.grad.zero_()
+
     def close(self) -> None:
-        """Free the communicators (collective). Idempotent."""
+        """Free the communicators (collective) and stop moving ``.grad`` into flat storage. Idempotent."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
         self._core.close()
         self._comm.close()
 
@@ -248,6 +268,26 @@ class DataParallel:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _into_flat(view: torch.Tensor) -> Any:
+    """A post-accumulate-grad hook that makes ``view`` (flat storage) the parameter's ``.grad``.
+
+    Autograd accumulates into an existing ``.grad`` in place, so once a
+    gradient is the view it stays there; a gradient autograd allocated anew
+    (the first backward, or after ``zero_grad(set_to_none=True)``) is copied
+    in once. Sparse gradients are left as they are.
+    """
+
+    def hook(p: torch.Tensor) -> None:
+        g = p.grad
+        if g is None or g is view or g.layout != torch.strided or g.shape != view.shape or g.dtype != view.dtype:
+            return
+        with torch.no_grad():
+            view.copy_(g)
+        p.grad = view
+
+    return hook
 
 
 def _check_module(model: Any) -> str | None:

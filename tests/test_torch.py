@@ -521,3 +521,54 @@ def test_a_flat_storage_gradient_whose_storage_was_swapped_is_reduced_where_it_i
         assert out["w"] is bufs["w"]
         assert torch.equal(bufs["w"], total.expand(1000)), bufs["w"][:4]
         assert torch.equal(out["b"], (torch.tensor(sum(range(comm.size)), dtype=torch.float32) / (2 * comm.size)).expand(10))
+
+
+def _flat_storage_model() -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    model[2].to(torch.bfloat16)  # two dtypes: two flat buffers
+    return model
+
+
+def _backward(model: nn.Module, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(5, 8, generator=g)
+    h = model[1](model[0](x)).to(torch.bfloat16)
+    model[2](h).float().sum().backward()
+
+
+def _grads_in(dp: Any) -> dict[str, bool]:
+    """Which trainable .grad tensors are mpidp's flat-storage views."""
+    return {n: p.grad is dp._grads[n] for n, p in dp.module.named_parameters()}
+
+
+def test_grads_live_in_flat_storage_through_accumulation_and_zero_grad(comm: MPI.Comm) -> None:
+    model = _flat_storage_model()
+    with mpidp.torch.DataParallel(model, comm) as dp:
+        reference = _flat_storage_model()
+        _backward(model, 1)
+        _backward(reference, 1)
+        assert all(_grads_in(dp).values()), _grads_in(dp)
+        for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+            assert torch.equal(p.grad, q.grad), name
+        _backward(model, 2)  # a second micro-batch accumulates in place
+        _backward(reference, 2)
+        for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+            assert torch.equal(p.grad, q.grad), name
+        dp.reduce(10)
+        assert all(_grads_in(dp).values())
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        opt.zero_grad()  # set_to_none: the next backward allocates, the hook moves it back
+        assert all(p.grad is None for p in model.parameters())
+        reference.zero_grad()
+        _backward(model, 3)
+        _backward(reference, 3)
+        assert all(_grads_in(dp).values())
+        for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+            assert torch.equal(p.grad, q.grad), name
+        dp.zero_grad()
+        assert all(_grads_in(dp).values())
+        assert all(not p.grad.any() for p in model.parameters())
+    opt.zero_grad()
+    _backward(model, 4)  # closed: .grad is autograd's own again
+    assert not any(_grads_in(dp).values())

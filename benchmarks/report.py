@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["chart", "table", "targets"]
+__all__ = ["chart", "markdown", "table", "targets"]
 
 MIB = 1 << 20
 #: sets too small for bandwidth targets: the latency target applies instead
@@ -97,6 +97,48 @@ def table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def markdown(paths: Sequence[Path]) -> str:
+    """The README's table: the ratio of every variant per set and rank count, from result files."""
+    results = sorted((json.loads(Path(p).read_text()) for p in paths), key=lambda r: r["meta"]["world_size"])
+    if not results:
+        return ""
+    sets: list[str] = []
+    for r in results:
+        sets += [s for s in r["sets"] if s not in sets]
+    columns = [(name, r) for name in sets for r in results if name in r["sets"]]
+    keys: list[str] = []
+    labels: dict[str, str] = {}
+    for _, r in columns:
+        for name in r["sets"]:
+            for k, v in r["sets"][name]["variants"].items():
+                if k not in keys:
+                    keys.append(k)
+                    labels[k] = v["label"]
+    head = [f"{r['sets'][name]['description']}, {r['meta']['world_size']} ranks" for name, r in columns]
+    lines = ["| variant | " + " | ".join(head) + " |", "|---|" + "---:|" * len(columns)]
+    for kind, what in (("allreduce", "raw Allreduce limit (ms)"), ("bcast", "raw Bcast limit (ms)")):
+        cells = [f"{r['sets'][name]['limits'][kind]['seconds'] * 1e3:.2f}" for name, r in columns]
+        lines.append(f"| {what} | " + " | ".join(cells) + " |")
+    for k in keys:
+        cells = []
+        for name, r in columns:
+            v = r["sets"][name]["variants"].get(k)
+            cells.append("-" if v is None else f"{v['ratio']:.2f}x")
+        lines.append(f"| {labels[k]} | " + " | ".join(cells) + " |")
+    m = results[0]["meta"]
+    mach = m["machine"]
+    runs = "; ".join(f"`{r['meta']['command']}` ({r['meta']['started'][:10]})" for r in results)
+    lines += [
+        "",
+        (f"Ratio to the raw limit of the same run (median of paired repetitions; `initialize` against Bcast, "
+         f"everything else against Allreduce). Machine: {mach['cpu']}, {mach['cores']} cores, "
+         f"{mach['memory_bytes'] / (1 << 30):.0f} GiB, {mach['system']}, {' '.join(mach['mpi'].split())}, "
+         f"NumPy {mach['versions']['numpy']}, torch {mach['versions'].get('torch', '-')} "
+         f"(16-bit casts: {m.get('casts', 'numpy')}). Runs: {runs}."),
+    ]
+    return "\n".join(lines)
+
+
 def chart(paths: Sequence[Path], png: Path) -> Path | None:
     """Draw the ratio of every variant per set, one bar per rank count, from result files."""
     results = [json.loads(Path(p).read_text()) for p in paths]
@@ -158,3 +200,9 @@ def chart(paths: Sequence[Path], png: Path) -> Path | None:
     fig.savefig(png, dpi=110)
     plt.close(fig)
     return png
+
+
+if __name__ == "__main__":  # python benchmarks/report.py benchmarks/results/bench-np*.json: the README table
+    import sys
+
+    print(markdown([Path(a) for a in sys.argv[1:]]))

@@ -186,9 +186,10 @@ def _f32_to_bf16(src: np.ndarray, dst: np.ndarray, scratch: np.ndarray) -> None:
 #: Use PyTorch's vectorized 16-bit casts on host arrays when the process has
 #: imported torch (None: automatic; False: never, NumPy / ml_dtypes casts
 #: only). They are bitwise equal to NumPy's and ml_dtypes' for every non-NaN
-#: value (a NaN stays a NaN, its payload may differ) and, measured on the
-#: development machine, 4 (bfloat16) to 30 (float16) times faster: NumPy's
-#: float16 casts are scalar loops. mpidp never imports torch itself.
+#: value (a NaN stays a NaN, its payload may differ) and, measured per cast
+#: on one thread of the development machine, 2-9 (bfloat16) and 25-45
+#: (float16) times faster: NumPy's float16 casts are scalar loops. mpidp
+#: never imports torch itself.
 TORCH_CASTS: bool | None = None
 #: Shorter segments use the NumPy casts: one torch call costs about 2 us.
 _TORCH_MIN = 1 << 12

@@ -28,7 +28,9 @@ TIMEOUT = 240
 pytestmark = pytest.mark.skipif(MPI.COMM_WORLD.Get_size() > 1, reason="starts its own MPI job")
 
 MPIDP_VARIANTS = [f"mpidp_{mix}_{kind}" for mix in ("fp32", "mixed", "fp16") for kind in ("arrays", "buffers")]
-VARIANTS = ["raw_one_call", "per_tensor", "mpidp_initialize", *MPIDP_VARIANTS]
+VARIANTS = ["raw_one_call", "per_tensor", "horovod_fusion", "mpidp_initialize", *MPIDP_VARIANTS]
+#: with torch loaded, 16-bit reduces run on torch's casts and are timed once more on NumPy's
+NUMPY_CAST_VARIANTS = ["mpidp_mixed_buffers_numpy_casts", "mpidp_fp16_buffers_numpy_casts"]
 
 
 def positive(x: Any) -> bool:
@@ -57,7 +59,8 @@ def test_quick_run_writes_every_key(quick: tuple[dict[str, Any], Path, str]) -> 
     assert set(result) >= {"meta", "sets", "chunks", "targets"}
     meta = result["meta"]
     assert meta["world_size"] == RANKS and meta["quick"] is True
-    assert {"machine", "load_average_start", "load_average_end", "command", "chunk_bytes"} <= set(meta)
+    assert {"machine", "load_average_start", "load_average_end", "command", "chunk_bytes", "casts"} <= set(meta)
+    assert meta["casts"] == ("torch" if meta["torch"] else "numpy")
     assert set(result["sets"]) == {"gpt2-mini", "tiny"}
     for name, s in result["sets"].items():
         assert {"tensors", "parameters", "fp32_bytes", "limits", "variants"} <= set(s), name
@@ -65,6 +68,7 @@ def test_quick_run_writes_every_key(quick: tuple[dict[str, Any], Path, str]) -> 
             assert s["limits"][limit]["best_chunk_bytes"] > 0
             assert all(positive(t) for t in s["limits"][limit]["by_chunk_mib"].values())
         expected = VARIANTS + (["gloo_flat", "gloo_buckets"] if meta["torch"] else [])
+        expected += NUMPY_CAST_VARIANTS if meta["casts"] == "torch" else []
         assert sorted(s["variants"]) == sorted(expected), name
 
 
@@ -90,3 +94,18 @@ def test_quick_run_prints_the_table_and_draws_the_chart(quick: tuple[dict[str, A
     assert "ratio" in stdout and "targets (issue 5)" in stdout
     png = out / "quick.png"
     assert png.exists() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_readme_shows_the_committed_results() -> None:
+    """README's Performance table is generated from benchmarks/results/*.json, never typed by hand."""
+    sys.path.insert(0, str(BENCH.parent))
+    import report
+
+    results = sorted((ROOT / "benchmarks" / "results").glob("bench-np*.json"))
+    assert results, "no committed benchmark results"
+    readme = (ROOT / "README.md").read_text()
+    start, end = "<!-- bench-table:start -->\n", "<!-- bench-table:end -->"
+    assert start in readme and end in readme
+    shown = readme.split(start, 1)[1].split(end, 1)[0].strip()
+    assert shown == report.markdown(results).strip(), "regenerate with: python benchmarks/report.py benchmarks/results/bench-np*.json"
+    assert (ROOT / "benchmarks" / "results" / "bench.png").exists()

@@ -128,8 +128,15 @@ def timed(fn: Fn, inner: int, reset: Fn | None = None) -> float:
     return float(COMM.allreduce(dt / inner, op=MPI.MAX))
 
 
-def paired(limit: Fn, candidate: Fn, reps: int, warmup: int, inner: int, reset: Fn | None = None) -> dict[str, Any]:
-    """Time ``limit`` and ``candidate`` back to back in every repetition; collective."""
+def paired(
+    limit: Fn, candidate: Fn, reps: int, warmup: int, inner: int, reset: Fn | None = None, limit_reset: Fn | None = None
+) -> dict[str, Any]:
+    """Time ``limit`` and ``candidate`` back to back in every repetition; collective.
+
+    With ``reset``, the candidate's calls each follow an untimed rewrite of its
+    arrays; ``limit_reset`` rewrites the limit's buffer the same way, so that
+    both start from the same cache state (freshly written, dirty memory).
+    """
     for _ in range(warmup):
         if reset is not None:
             reset()
@@ -139,11 +146,11 @@ def paired(limit: Fn, candidate: Fn, reps: int, warmup: int, inner: int, reset: 
     cand: list[float] = []
     for r in range(reps):
         if r % 2 == 0:
-            lim.append(timed(limit, inner))
+            lim.append(timed(limit, inner, limit_reset))
             cand.append(timed(candidate, inner, reset))
         else:
             cand.append(timed(candidate, inner, reset))
-            lim.append(timed(limit, inner))
+            lim.append(timed(limit, inner, limit_reset))
     ratios = [c / x for c, x in zip(cand, lim)]
     return {
         "seconds": statistics.median(cand),
@@ -457,6 +464,10 @@ def bench_set(name: str, args: argparse.Namespace, gloo: Gloo | None) -> dict[st
     bc_buf = np.full(nbytes, 1, dtype=np.uint8)  # written memory, as parameters are
     bc = sweep(lambda c: raw_bcast(bc_buf, c), args.limit_chunks, args.rounds, target)
     limit, bcast_limit = ar.pop("fn"), bc.pop("fn")
+
+    def zero_limit() -> None:
+        limit_buf.fill(0)
+
     out["limits"] = {"allreduce": ar, "bcast": bc}
     log(f"   raw Allreduce limit {ar['seconds'] * 1e3:.2f} ms at {ar['best_chunk_bytes'] // MIB} MiB chunks; "
         f"raw Bcast {bc['seconds'] * 1e3:.2f} ms at {bc['best_chunk_bytes'] // MIB} MiB")
@@ -477,11 +488,11 @@ def bench_set(name: str, args: argparse.Namespace, gloo: Gloo | None) -> dict[st
     fp32 = random_arrays(layout, "fp32", 1000 + rank)
     if want("per_tensor"):
         record("per_tensor", "one Allreduce per tensor", "allreduce",
-               paired(limit, per_tensor(fp32), reps, warmup, inner, reset_values(list(fp32.values()))))
+               paired(limit, per_tensor(fp32), reps, warmup, inner, reset_values(list(fp32.values())), zero_limit))
 
     if want("horovod_fusion"):
         record("horovod_fusion", f"Horovod-style fusion, {HOROVOD_FUSION_BYTES // MIB} MiB", "allreduce",
-               paired(limit, horovod_fusion(fp32), reps, warmup, inner, reset_values(list(fp32.values()))))
+               paired(limit, horovod_fusion(fp32), reps, warmup, inner, reset_values(list(fp32.values())), zero_limit))
 
     # mpidp, for each dtype mix: caller-allocated arrays and gradient_buffers()
     for mix in gradsets.MIXES:
@@ -504,18 +515,18 @@ def bench_set(name: str, args: argparse.Namespace, gloo: Gloo | None) -> dict[st
             if f"mpidp_{mix}_arrays" in keys:
                 grads = empty_arrays(layout, mix)
                 fn = mpidp_reduce(dp, grads)
-                res = paired(limit, fn, reps, warmup, inner, reset_values(list(grads.values())))
+                res = paired(limit, fn, reps, warmup, inner, reset_values(list(grads.values())), zero_limit)
                 record(f"mpidp_{mix}_arrays", f"mpidp reduce {mix}, separate arrays", "allreduce", res, memory=memory(fn))
                 del grads, fn
             if f"mpidp_{mix}_buffers" in keys:
                 bufs = dp.gradient_buffers()
                 fn = mpidp_reduce(dp, bufs)
-                res = paired(limit, fn, reps, warmup, inner, reset_values(list(bufs.values())))
+                res = paired(limit, fn, reps, warmup, inner, reset_values(list(bufs.values())), zero_limit)
                 record(f"mpidp_{mix}_buffers", f"mpidp reduce {mix}, gradient_buffers", "allreduce", res, memory=memory(fn))
                 if mix != "fp32" and casts() == "torch" and want(f"mpidp_{mix}_buffers_numpy_casts"):
                     packing.TORCH_CASTS = False  # what a process without torch gets
                     try:
-                        res = paired(limit, fn, reps, warmup, inner, reset_values(list(bufs.values())))
+                        res = paired(limit, fn, reps, warmup, inner, reset_values(list(bufs.values())), zero_limit)
                     finally:
                         packing.TORCH_CASTS = None
                     record(f"mpidp_{mix}_buffers_numpy_casts", f"mpidp reduce {mix}, buffers, NumPy casts", "allreduce", res)
@@ -528,10 +539,10 @@ def bench_set(name: str, args: argparse.Namespace, gloo: Gloo | None) -> dict[st
     if gloo is not None:
         if want("gloo_flat"):
             record("gloo_flat", "torch gloo, one flat buffer", "allreduce",
-                   paired(limit, gloo.flat(fp32), reps, warmup, inner, reset_values(list(fp32.values()))))
+                   paired(limit, gloo.flat(fp32), reps, warmup, inner, reset_values(list(fp32.values())), zero_limit))
         if want("gloo_buckets"):
             record("gloo_buckets", "torch gloo, 25 MiB buckets (DDP)", "allreduce",
-                   paired(limit, gloo.buckets(fp32), reps, warmup, inner, reset_values(list(fp32.values()))))
+                   paired(limit, gloo.buckets(fp32), reps, warmup, inner, reset_values(list(fp32.values())), zero_limit))
     del fp32
     gc.collect()
     return out
@@ -553,7 +564,7 @@ def bench_chunks(name: str, args: argparse.Namespace) -> dict[str, Any]:
             with mpidp.DataParallel.initialize(params, COMM, chunk_bytes=mib * MIB) as dp:
                 bufs = dp.gradient_buffers()
                 res = paired(limit, mpidp_reduce(dp, bufs), args.chunks_reps, args.warmup, ar["inner"],
-                             reset_values(list(bufs.values())))
+                             reset_values(list(bufs.values())), lambda: limit_buf.fill(0))
                 row[f"mpidp_{mix}_ratio"] = res["ratio"]
                 row[f"mpidp_{mix}_seconds"] = res["seconds"]
                 del bufs
@@ -573,9 +584,9 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="scaled-down sets, few repetitions: a smoke run of seconds")
     p.add_argument("--sets", default=None, help="comma-separated gradient sets (default: all of the mode's sets)")
     p.add_argument("--variants", default=None, help="comma-separated variant keys to run (default: all)")
-    p.add_argument("--reps", type=int, default=None, help="paired repetitions per candidate (default 5, quick 3)")
+    p.add_argument("--reps", type=int, default=None, help="paired repetitions per candidate (default 7, quick 3)")
     p.add_argument("--warmup", type=int, default=1, help="untimed calls per candidate (default 1)")
-    p.add_argument("--rounds", type=int, default=None, help="rounds of the chunk-size sweep of the limit (default 3, quick 1)")
+    p.add_argument("--rounds", type=int, default=None, help="rounds of the chunk-size sweep of the limit (default 5, quick 1)")
     p.add_argument("--target-seconds", type=float, default=None,
                    help="repeat calls inside one timing until it lasts this long (default 0.05, quick 0.005)")
     p.add_argument("--chunk-bytes", type=int, default=DEFAULT_CHUNK_BYTES, help="mpidp's chunk_bytes")
@@ -593,9 +604,9 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     for s in a.sets:
         gradsets.shapes(s, a.quick)
     a.variants = None if a.variants is None else set(a.variants.split(","))
-    a.reps = a.reps or (3 if a.quick else 5)
+    a.reps = a.reps or (3 if a.quick else 7)
     a.chunks_reps = a.chunks_reps or 3
-    a.rounds = a.rounds or (1 if a.quick else 3)
+    a.rounds = a.rounds or (1 if a.quick else 5)
     a.target_seconds = a.target_seconds or (0.005 if a.quick else 0.05)
     a.limit_chunks = (1, 4) if a.quick else LIMIT_CHUNKS_MIB
     a.chunks_set = a.chunks_set or ("gpt2-mini" if a.quick else "gpt2")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -98,43 +99,62 @@ def table(result: dict[str, Any]) -> str:
 
 
 def markdown(paths: Sequence[Path]) -> str:
-    """The README's table: the ratio of every variant per set and rank count, from result files."""
-    results = sorted((json.loads(Path(p).read_text()) for p in paths), key=lambda r: r["meta"]["world_size"])
+    """The README's table: the ratio of every variant per set and rank count, from result files.
+
+    Several runs of one rank count are summarised as the median over runs
+    and, in brackets, the lowest and highest run.
+    """
+    results = sorted((json.loads(Path(p).read_text()) for p in paths), key=lambda r: (r["meta"]["world_size"], r["meta"]["started"]))
     if not results:
         return ""
+    sizes = sorted({r["meta"]["world_size"] for r in results})
+    runs = {n: [r for r in results if r["meta"]["world_size"] == n] for n in sizes}
     sets: list[str] = []
     for r in results:
         sets += [s for s in r["sets"] if s not in sets]
-    columns = [(name, r) for name in sets for r in results if name in r["sets"]]
+    columns = [(name, n) for name in sets for n in sizes if any(name in r["sets"] for r in runs[n])]
     keys: list[str] = []
     labels: dict[str, str] = {}
-    for _, r in columns:
-        for name in r["sets"]:
-            for k, v in r["sets"][name]["variants"].items():
+    descriptions: dict[str, str] = {}
+    for r in results:
+        for name, s in r["sets"].items():
+            descriptions[name] = s["description"]
+            for k, v in s["variants"].items():
                 if k not in keys:
                     keys.append(k)
                     labels[k] = v["label"]
-    head = [f"{r['sets'][name]['description']}, {r['meta']['world_size']} ranks" for name, r in columns]
+
+    def cell(values: list[float], fmt: str) -> str:
+        if not values:
+            return "-"
+        mid = statistics.median(values)
+        if len(values) == 1:
+            return fmt.format(mid)
+        return f"{fmt.format(mid)} ({fmt.format(min(values))}-{fmt.format(max(values))})"
+
+    head = [f"{descriptions[name]}, {n} ranks" for name, n in columns]
     lines = ["| variant | " + " | ".join(head) + " |", "|---|" + "---:|" * len(columns)]
-    for kind, what in (("allreduce", "raw Allreduce limit (ms)"), ("bcast", "raw Bcast limit (ms)")):
-        cells = [f"{r['sets'][name]['limits'][kind]['seconds'] * 1e3:.2f}" for name, r in columns]
+    for kind, what in (("allreduce", "raw Allreduce limit, ms"), ("bcast", "raw Bcast limit, ms")):
+        cells = [cell([r["sets"][name]["limits"][kind]["seconds"] * 1e3 for r in runs[n] if name in r["sets"]], "{:.2f}")
+                 for name, n in columns]
         lines.append(f"| {what} | " + " | ".join(cells) + " |")
     for k in keys:
-        cells = []
-        for name, r in columns:
-            v = r["sets"][name]["variants"].get(k)
-            cells.append("-" if v is None else f"{v['ratio']:.2f}x")
+        cells = [cell([r["sets"][name]["variants"][k]["ratio"] for r in runs[n]
+                       if name in r["sets"] and k in r["sets"][name]["variants"]], "{:.2f}x") for name, n in columns]
         lines.append(f"| {labels[k]} | " + " | ".join(cells) + " |")
-    m = results[0]["meta"]
+    m = results[-1]["meta"]
     mach = m["machine"]
-    runs = "; ".join(f"`{r['meta']['command']}` ({r['meta']['started'][:10]})" for r in results)
+    commands = sorted({r["meta"]["command"] for r in results})
+    dates = sorted({r["meta"]["started"][:10] for r in results})
     lines += [
         "",
-        (f"Ratio to the raw limit of the same run (median of paired repetitions; `initialize` against Bcast, "
-         f"everything else against Allreduce). Machine: {mach['cpu']}, {mach['cores']} cores, "
+        (f"Ratio to the raw limit timed next to it (median of paired repetitions; `initialize` against Bcast, "
+         f"everything else against Allreduce); {', '.join(f'{len(runs[n])} runs at {n} ranks' for n in sizes)}: "
+         f"median over runs (lowest-highest run). Machine: {mach['cpu']}, {mach['cores']} cores, "
          f"{mach['memory_bytes'] / (1 << 30):.0f} GiB, {mach['system']}, {' '.join(mach['mpi'].split())}, "
          f"NumPy {mach['versions']['numpy']}, torch {mach['versions'].get('torch', '-')} "
-         f"(16-bit casts: {m.get('casts', 'numpy')}). Runs: {runs}."),
+         f"(16-bit casts: {m.get('casts', 'numpy')}); {', '.join(dates)}. "
+         f"Commands: {'; '.join(f'`{c}`' for c in commands)}."),
     ]
     return "\n".join(lines)
 
@@ -195,14 +215,14 @@ def chart(paths: Sequence[Path], png: Path) -> Path | None:
         ax.set_title(f"chunk size sweep ({with_chunks[0]['chunks']['set']})", fontsize=10)
         ax.legend(fontsize=7, ncol=3)
     m = results[0]["meta"]["machine"]
-    fig.suptitle(f"mpidp vs the raw MPI limit: {m['cpu']}, {m['cores']} cores, {m['mpi']}", fontsize=10)
+    fig.suptitle(f"mpidp vs the raw MPI limit: {m['cpu']}, {m['cores']} cores, {' '.join(m['mpi'].split())}", fontsize=10)
     fig.tight_layout()
     fig.savefig(png, dpi=110)
     plt.close(fig)
     return png
 
 
-if __name__ == "__main__":  # python benchmarks/report.py benchmarks/results/bench-np*.json: the README table
+if __name__ == "__main__":  # python benchmarks/report.py benchmarks/results/runs/*.json: the README table
     import sys
 
     print(markdown([Path(a) for a in sys.argv[1:]]))

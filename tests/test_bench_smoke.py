@@ -101,11 +101,11 @@ def test_readme_shows_the_committed_results() -> None:
     sys.path.insert(0, str(BENCH.parent))
     import report
 
-    results = sorted((ROOT / "benchmarks" / "results").glob("bench-np*.json"))
+    results = sorted((ROOT / "benchmarks" / "results" / "runs").glob("*.json"))
     assert results, "no committed benchmark results"
     readme = (ROOT / "README.md").read_text()
     start, end = "<!-- bench-table:start -->\n", "<!-- bench-table:end -->"
     assert start in readme and end in readme
     shown = readme.split(start, 1)[1].split(end, 1)[0].strip()
-    assert shown == report.markdown(results).strip(), "regenerate with: python benchmarks/report.py benchmarks/results/bench-np*.json"
+    assert shown == report.markdown(results).strip(), "regenerate with: python benchmarks/report.py benchmarks/results/runs/*.json"
     assert (ROOT / "benchmarks" / "results" / "bench.png").exists()

@@ -202,7 +202,7 @@ def main(argv: list[str] | None = None) -> Summary:
             loss_sum.backward()  # the gradient of the loss SUM over this rank's tokens
         global_tokens = dp.reduce(local_weight=n_tokens)  # .grad: the mean over every rank's tokens
         optimizer.step()
-        optimizer.zero_grad()
+        dp.zero_grad()  # in place: .grad stays in mpidp's flat gradient storage
         loss = comm.allreduce(loss_sum.item()) / global_tokens  # user traffic; mpidp keeps its own communicator
         losses.append(loss)
         tokens_seen += global_tokens

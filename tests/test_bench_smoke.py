@@ -109,3 +109,15 @@ def test_readme_shows_the_committed_results() -> None:
     shown = readme.split(start, 1)[1].split(end, 1)[0].strip()
     assert shown == report.markdown(results).strip(), "regenerate with: python benchmarks/report.py benchmarks/results/runs/*.json"
     assert (ROOT / "benchmarks" / "results" / "bench.png").exists()
+
+
+def test_window_profile_runs_and_names_the_mpi_time() -> None:
+    """benchmarks/window_profile.py keeps working: a 2-rank run on the tiny set prints the ratio and the profile."""
+    script = ROOT / "benchmarks" / "window_profile.py"
+    p = subprocess.run(
+        [MPIEXEC, "-n", "2", sys.executable, "-m", "mpi4py", str(script), "--set", "tiny", "--reps", "1", "--windows", "2"],
+        check=False, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=TIMEOUT, env=clean_env(), cwd=ROOT,
+    )
+    assert p.returncode == 0, p.stdout
+    assert "tiny fp32 gradient_buffers, 2 ranks" in p.stdout and "ratio x" in p.stdout, p.stdout
+    assert "comm.py" in p.stdout and "(Allreduce)" in p.stdout, p.stdout

@@ -20,6 +20,10 @@ __all__ = ["Watchdog", "install_abort_hook", "timeout_from_env"]
 _installed = False
 
 
+#: pause between printing an uncaught exception and MPI_Abort
+_FORWARD_SECONDS = 0.3
+
+
 def install_abort_hook(rank: int) -> None:
     """Make an uncaught exception on this rank abort the whole MPI job.
 
@@ -38,6 +42,9 @@ def install_abort_hook(rank: int) -> None:
             previous(kind, value, tb)
         finally:
             sys.stderr.flush()
+            # let the launcher forward the traceback before the abort tears the job down (mpiexec
+            # drops what it has not read yet); measured: without it the tail is lost now and then
+            time.sleep(_FORWARD_SECONDS)
             if MPI.Is_initialized() and not MPI.Is_finalized():
                 MPI.COMM_WORLD.Abort(1)
 

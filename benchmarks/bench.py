@@ -222,18 +222,6 @@ def memory(fn: Fn) -> dict[str, int | None]:
 # ------------------------------------------------------------ the raw limit
 
 
-def real_zeros(n: int, dtype: Any) -> np.ndarray:
-    """Zeros in written memory: zeros stay zeros (no overflow, no denormals), and the limit reads real pages.
-
-    ``np.zeros`` maps untouched pages to the kernel's one zero page: a root
-    that only ever reads its buffer (Bcast) then reads one cache-hot page
-    and its "limit" is faster than any real parameter memory can be.
-    """
-    buf = np.empty(n, dtype=dtype)
-    buf.fill(0)
-    return buf
-
-
 def chunk_views(buf: np.ndarray, chunk_bytes: int) -> list[np.ndarray]:
     n = max(1, chunk_bytes // buf.itemsize)
     return [buf[s : s + n] for s in range(0, buf.size, n)]
@@ -459,7 +447,9 @@ def bench_set(name: str, args: argparse.Namespace, gloo: Gloo | None) -> dict[st
     }
     reps, warmup = args.reps, args.warmup
 
-    limit_buf = real_zeros(n, np.float32)
+    # written zeros: they stay zeros (no overflow, no denormals), and unlike np.zeros' untouched
+    # pages (the kernel's one zero page, cache-hot for a root that only reads) they are real memory
+    limit_buf = np.full(n, 0, dtype=np.float32)
     ar = sweep(lambda c: raw_allreduce(limit_buf, c), args.limit_chunks, args.rounds, target)
     bc_buf = np.full(nbytes, 1, dtype=np.uint8)  # written memory, as parameters are
     bc = sweep(lambda c: raw_bcast(bc_buf, c), args.limit_chunks, args.rounds, target)
@@ -553,7 +543,7 @@ def bench_chunks(name: str, args: argparse.Namespace) -> dict[str, Any]:
     _, layout = gradsets.shapes(name, args.quick)
     n = gradsets.count(layout)
     log(f"== chunks: {name}, mpidp reduce for chunk_bytes in {', '.join(map(str, args.limit_chunks))} MiB")
-    limit_buf = real_zeros(n, np.float32)
+    limit_buf = np.full(n, 0, dtype=np.float32)  # written memory, as in bench_set
     ar = sweep(lambda c: raw_allreduce(limit_buf, c), args.limit_chunks, args.rounds, args.target_seconds)
     limit = ar.pop("fn")
     rows = []

@@ -98,9 +98,10 @@ def fingerprint(x: Any) -> tuple[Any, ...]:
     """
     if isinstance(x, np.ndarray):  # a NumPy array's memory only moves with its shape (resize)
         return (x.dtype, x.shape, x.strides, x.flags.writeable)
-    if _backend(x) == "torch":  # a tensor's storage can be swapped under it (.data =, .set_)
+    backend = _backend(x)
+    if backend == "torch":  # a tensor's storage can be swapped under it (.data =, .set_)
         return (x.dtype, x.shape, x.stride(), x.device, x.data_ptr(), x.layout, x.is_neg(), x.is_conj())
-    if _backend(x) == "cupy":
+    if backend == "cupy":
         return (x.dtype, x.shape, x.strides, x.data.ptr, x.device.id)
     return (type(x), id(x))  # not an array: never equal to an accepted gradient's
 

@@ -33,8 +33,8 @@ __all__ = ["DataParallel", "MissingGradientPolicy", "ReducedGradients"]
 
 _U64_MAX = (1 << 64) - 1
 _REDUCE, _VERIFY = 1, 2  # exchange record tags
-#: reduce record columns every rank must agree on: tag, policy, error flag, window
-_AGREED = slice(0, 4)  # reduce record: tag, policy, error flag, window, weight, presence words
+#: reduce record: tag, policy, error flag, window, weight, presence words; every rank must agree on the first four
+_AGREED = slice(0, 4)
 _OPERATIONS = {_REDUCE: "reduce", _VERIFY: "verify_replicas"}
 
 
@@ -292,6 +292,7 @@ class DataParallel:
             return None
         self._accepted = {}
         seen: dict[int, str] = {}
+        entries: dict[str, tuple[Any, int, Any]] = {}  # name -> (gradient, slot, flat-storage entry or None)
         for name in sorted(grads, key=str):
             index = self._slot_of.get(name)
             if index is None:
@@ -318,13 +319,13 @@ class DataParallel:
             views[index] = flat[2] if flat is not None else arrays.view(g)
             prepared[index] = None if flat is None else flat[3]
             names[index] = name
+            entries[name] = (g, index, flat)
         why = _overlap(views, names)
         if why is None:
             try:
                 self._accepted = {
-                    name: (weakref.ref(g), arrays.fingerprint(g), index, self._flat_slot(index, g))
-                    for name, g in grads.items()
-                    for index in (self._slot_of[name],)
+                    name: (weakref.ref(g), arrays.fingerprint(g) if flat is None else flat[1], index, flat)
+                    for name, (g, index, flat) in entries.items()
                 }
             except TypeError:  # an array type without weak references: checked in full every window
                 self._accepted = {}

@@ -281,7 +281,7 @@ def _into_flat(view: torch.Tensor) -> Any:
 
     def hook(p: torch.Tensor) -> None:
         g = p.grad
-        if g is None or g is view or g.layout != torch.strided or g.shape != view.shape or g.dtype != view.dtype:
+        if g is None or g is view or g.layout != torch.strided:  # autograd keeps shape and dtype
             return
         with torch.no_grad():
             view.copy_(g)

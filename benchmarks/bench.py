@@ -487,19 +487,24 @@ def bench_set(name: str, args: argparse.Namespace, gloo: Gloo | None) -> dict[st
     # mpidp, for each dtype mix: caller-allocated arrays and gradient_buffers()
     for mix in gradsets.MIXES:
         keys = [k for k in (f"mpidp_{mix}_arrays", f"mpidp_{mix}_buffers") if want(k)]
-        if mix == "fp32" and want("mpidp_initialize"):
-            keys.append("mpidp_initialize")
-        if not keys:
+        inits = [k for k in ("mpidp_initialize", "mpidp_initialize_flat") if mix == "fp32" and want(k)]
+        if not keys and not inits:
             continue
         params = fp32 if mix == "fp32" else random_arrays(layout, mix, 2000 + rank)
         params = {k: v.copy() for k, v in params.items()}
-        if "mpidp_initialize" in keys:
-            def init(params: dict[str, np.ndarray] = params) -> None:
-                mpidp.DataParallel.initialize(params, COMM, chunk_bytes=args.chunk_bytes).close()
+        for key in inits:
+            # the caller's separate arrays, or the same values in mpidp.flat_parameters' storage
+            laid_out = params if key == "mpidp_initialize" else mpidp.flat_parameters(params)
+
+            def init(laid_out: dict[str, np.ndarray] = laid_out) -> None:
+                mpidp.DataParallel.initialize(laid_out, COMM, chunk_bytes=args.chunk_bytes).close()
 
             probe = timed(init, 1)
-            record("mpidp_initialize", "mpidp initialize (+close)", "bcast",
-                   paired(bcast_limit, init, reps, warmup, max(1, min(bc["inner"], inner_for(probe, target)))))
+            label = "mpidp initialize (+close)" if key == "mpidp_initialize" else "mpidp initialize, flat_parameters"
+            record(key, label, "bcast", paired(bcast_limit, init, reps, warmup, max(1, min(bc["inner"], inner_for(probe, target)))))
+            del laid_out, init
+        if not keys:
+            continue
         dp = mpidp.DataParallel.initialize(params, COMM, chunk_bytes=args.chunk_bytes)
         try:
             if f"mpidp_{mix}_arrays" in keys:

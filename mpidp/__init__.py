@@ -3,7 +3,7 @@
 ``import mpidp`` imports neither torch nor cupy; ``import mpidp.torch`` does.
 """
 
-from .core import DataParallel, MissingGradientPolicy, ReducedGradients
+from .core import DataParallel, MissingGradientPolicy, ReducedGradients, flat_parameters
 from .errors import CollectiveError, ContractError, DataParallelError
 
 __version__ = "0.1.0"
@@ -16,4 +16,5 @@ __all__ = [
     "MissingGradientPolicy",
     "ReducedGradients",
     "__version__",
+    "flat_parameters",
 ]

@@ -52,6 +52,18 @@ def _backend(x: Any) -> str | None:
     return None
 
 
+_DTYPE_NAMES: dict[Any, str] = {}
+
+
+def _dtype_name(dtype: Any) -> str:
+    """A NumPy dtype's name, cached (``dtype.name`` runs Python code in NumPy)."""
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        # a non-native byte order is named by its code ('>f4'), which no check accepts
+        name = _DTYPE_NAMES[dtype] = dtype.name if dtype.isnative else dtype.str
+    return name
+
+
 def describe(x: Any) -> ArrayInfo | None:
     """Return ``x``'s description, or None when ``x`` is not a supported array."""
     backend = _backend(x)
@@ -61,8 +73,7 @@ def describe(x: Any) -> ArrayInfo | None:
         dtype = str(x.dtype).removeprefix("torch.")
         device = "cpu" if x.device.type == "cpu" else f"{x.device.type}:{x.device.index or 0}"
         return ArrayInfo("torch", dtype, tuple(x.shape), device)
-    # a non-native byte order is named by its code ('>f4'), which no check accepts
-    dtype = x.dtype.name if x.dtype.isnative else x.dtype.str
+    dtype = _dtype_name(x.dtype)
     if backend == "cupy":
         return ArrayInfo("cupy", dtype, tuple(x.shape), f"cuda:{x.device.id}")
     return ArrayInfo("numpy", dtype, x.shape, "cpu")

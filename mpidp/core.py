@@ -29,7 +29,7 @@ from .packing import (
     slot,
 )
 
-__all__ = ["DataParallel", "MissingGradientPolicy", "ReducedGradients"]
+__all__ = ["DataParallel", "MissingGradientPolicy", "ReducedGradients", "flat_parameters"]
 
 _U64_MAX = (1 << 64) - 1
 _REDUCE, _VERIFY = 1, 2  # exchange record tags
@@ -196,14 +196,15 @@ class DataParallel:
             if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, numbers.Integral) or chunk_bytes < 4096:
                 error = error or f"chunk_bytes must be an integer of at least 4096, got {chunk_bytes!r}"
                 chunk_bytes = 0
-            record = (tuple(tuple(e) for e in local.contract), int(root), int(chunk_bytes) // 4 * 4, error, local.device == "cpu")
+            runs = _runs(local) if error is None else None
+            record = (tuple(tuple(e) for e in local.contract), int(root), int(chunk_bytes) // 4 * 4, error, local.device == "cpu", runs)
             records = c.allgather_obj(record)
-            for rank, (_, _, _, err, _) in enumerate(records):
+            for rank, (_, _, _, err, _, _) in enumerate(records):
                 if err is not None:
                     raise ContractError(f"rank {rank}: {err}")
             head = records[0]
             reference = tuple(contract.Entry(*e) for e in head[0])
-            for rank, (entries, r, chunk, _, _) in enumerate(records):
+            for rank, (entries, r, chunk, _, _, _) in enumerate(records):
                 difference = contract.diff(reference, tuple(contract.Entry(*e) for e in entries))
                 if difference is not None:
                     raise ContractError(f"rank {rank} differs from rank 0: {difference}")
@@ -212,8 +213,11 @@ class DataParallel:
                 if chunk != head[2]:
                     raise ContractError(f"rank {rank} uses chunk_bytes={chunk}, rank 0 chunk_bytes={head[2]}")
             self = cls(c, params, local, int(chunk_bytes) // 4 * 4, watchdog, aware, int(root))
-            # large calls only where no rank stages device memory through its chunk-sized pinned buffer
-            self._broadcast(int(root), BCAST_SPLIT_BYTES if all(r[4] for r in records) else None)
+            # large calls only where no rank stages device memory through its chunk-sized pinned buffer;
+            # whole memory runs (flat_parameters) only where every rank has the same runs
+            host = all(r[4] for r in records)
+            same_runs = host and runs is not None and all(r[5] == runs for r in records)
+            self._broadcast(int(root), BCAST_SPLIT_BYTES if host else None, runs if same_runs else None)
         except BaseException:
             if watchdog is not None:
                 watchdog.close()
@@ -223,8 +227,13 @@ class DataParallel:
             guard.install_abort_hook(MPI.COMM_WORLD.Get_rank())
         return self
 
-    def _broadcast(self, root: int, split: int | None) -> None:
-        slots = [slot(arrays.view(self._arrays[i])) for i in self._heads]
+    def _broadcast(self, root: int, split: int | None, runs: tuple[tuple[int, ...], ...] | None = None) -> None:
+        """Bcast every tie-group head from ``root``: array by array, or by runs of adjacent memory (see :func:`_runs`)."""
+        if runs is None:
+            slots = [slot(arrays.view(self._arrays[i])) for i in self._heads]
+        else:
+            heads = [self._arrays[i] for i in self._heads]
+            slots = [slot(_region(heads, run)) for run in runs]
         calls = plan([s.flat.nbytes for s in slots], [True] * len(slots), self._chunk_bytes, split)
         label = "initialize: Bcast"
         bcast_calls(calls, slots, self._stage.view(np.uint8), lambda b: self._comm.Bcast(b, root, label), self.rank == root)
@@ -659,3 +668,85 @@ def _overlap(views: list[Any], names: list[str | None]) -> str | None:
         if lo < hi:
             return f"gradients {a!r} and {b!r} share memory (each needs its own)"
     return None
+
+
+def flat_parameters(params: Mapping[str, Any]) -> dict[str, Any]:
+    """Copy ``params`` into flat storage: one contiguous buffer per backend, dtype and device.
+
+    Local; no communication. Returns a new mapping with the same names whose
+    arrays are views into the flat buffers, holding the same values, in the
+    order :meth:`DataParallel.initialize` broadcasts them; a tied array (one
+    object under several names) becomes one view under the same names. When
+    every rank passes parameters laid out like this, ``initialize``
+    broadcasts each buffer in a few large calls instead of one or more per
+    array (the same holds for any caller-made layout of adjacent, contiguous
+    arrays). Torch tensors keep their ``requires_grad`` flag. Raises
+    TypeError for a value that is not a NumPy, CuPy or PyTorch array.
+    """
+    if not isinstance(params, Mapping):
+        raise TypeError(f"params must be a mapping of names to arrays, got {type(params).__name__}")
+    unique: dict[int, Any] = {}
+    for name in sorted(params, key=str):
+        a = params[name]
+        if arrays.describe(a) is None:
+            raise TypeError(f"parameter {name!r}: {type(a).__name__} is not a NumPy, CuPy or PyTorch array")
+        unique.setdefault(id(a), a)
+    groups: dict[tuple[str, str, str], list[Any]] = {}
+    for a in unique.values():
+        info = arrays.describe(a)
+        assert info is not None
+        groups.setdefault((info.backend, info.dtype, info.device), []).append(a)
+    moved: dict[int, Any] = {}
+    for members in groups.values():
+        sizes = [arrays.describe(a).size for a in members]  # type: ignore[union-attr]
+        flat = arrays.flat_zeros(members[0], sum(sizes))
+        start = 0
+        for a, n in zip(members, sizes):
+            v = flat[start : start + n].reshape(tuple(a.shape))
+            arrays.view(v)[...] = arrays.view(a)
+            if getattr(a, "requires_grad", False):
+                v.requires_grad_(True)
+            moved[id(a)] = v
+            start += n
+    return {name: moved[id(a)] for name, a in params.items()}
+
+
+def _runs(local: contract.Local) -> tuple[tuple[int, ...], ...] | None:
+    """Group the non-empty tie-group heads into runs of adjacent contiguous host memory, or None.
+
+    A run is a tuple of positions in the head order whose arrays are
+    C-contiguous and follow one another in memory, in address order: one
+    region of bytes. Exchanged in the contract record: ranks with equal runs
+    broadcast region by region, in a few large calls.
+    """
+    if local.device != "cpu":
+        return None
+    extents = []
+    position = 0
+    for i, e in enumerate(local.contract):
+        if e.alias != i:
+            continue
+        v = arrays.view(local.arrays[i])
+        if v.size:
+            if not v.flags.c_contiguous:
+                return None
+            extents.append((arrays.address(v), v.nbytes, position))
+        position += 1
+    extents.sort()
+    runs: list[list[int]] = []
+    end = -1
+    for address, nbytes, k in extents:
+        if address == end:
+            runs[-1].append(k)
+        else:
+            runs.append([k])
+        end = address + nbytes
+    return tuple(tuple(r) for r in runs)
+
+
+def _region(heads: list[Any], run: tuple[int, ...]) -> np.ndarray:
+    """A uint8 view of the memory of one run (positions into ``heads``, in address order)."""
+    first = arrays.view(heads[run[0]])
+    nbytes = sum(arrays.view(heads[k]).nbytes for k in run)
+    raw: Any = MPI.buffer.fromaddress(arrays.address(first), nbytes)
+    return np.frombuffer(raw, dtype=np.uint8)

@@ -89,6 +89,71 @@ def test_initialize_noncontiguous_parameter(comm: MPI.Comm) -> None:
         assert np.array_equal(params["s"], expected[::2, 1])
 
 
+def test_flat_parameters_copies_into_one_buffer_per_dtype() -> None:
+    params = model(3)
+    before = snapshot(params)
+    flat = mpidp.flat_parameters(params)
+    assert list(flat) == list(params)  # same names, same order
+    assert snapshot(flat) == before  # same values
+    assert snapshot(params) == before  # the originals are untouched
+    assert flat["embed"] is flat["head"]  # the tie survives
+    assert all(not np.shares_memory(flat[k], params[k]) for k in params)
+    for dtype in (np.float32, np.float16, BF16):
+        views = [v for k, v in flat.items() if v.dtype == dtype and k != "head"]
+        bases = {id(v.base) for v in views}
+        assert len(bases) == 1, dtype  # one flat buffer per dtype
+        base = views[0].base
+        assert sum(v.size for v in views) == base.size  # nothing else in it
+
+
+def test_flat_parameters_refuses_non_arrays() -> None:
+    with pytest.raises(TypeError, match="parameter 'b': list is not a NumPy"):
+        mpidp.flat_parameters({"a": np.zeros(2, np.float32), "b": [1.0]})
+    with pytest.raises(TypeError, match="mapping"):
+        mpidp.flat_parameters([np.zeros(2)])  # type: ignore[arg-type]
+
+
+def count_bcasts(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Record the byte count of every Bcast mpidp issues."""
+    from mpidp.comm import Communicator
+
+    sizes: list[int] = []
+    original = Communicator.Bcast
+
+    def bcast(self: Any, buf: Any, root: int, label: str) -> Any:
+        sizes.append(int(np.asarray(buf).nbytes))
+        return original(self, buf, root, label)
+
+    monkeypatch.setattr(Communicator, "Bcast", bcast)
+    return sizes
+
+
+def test_initialize_broadcasts_flat_parameters_buffer_by_buffer(comm: MPI.Comm, monkeypatch: pytest.MonkeyPatch) -> None:
+    root = comm.size - 1
+    many = {f"w{k:03d}": np.full(50_000 + k, comm.rank + k, dtype=np.float32) for k in range(40)}  # 8 MB of separate arrays
+    params = mpidp.flat_parameters({**model(comm.rank), **many})
+    expected = snapshot(mpidp.flat_parameters({**model(root), **{k: np.full(v.size, root + int(k[1:]), np.float32) for k, v in many.items()}}))
+    sizes = count_bcasts(monkeypatch)
+    with mpidp.DataParallel.initialize(params, comm, root=root, frozen=["frozen"]):
+        assert snapshot(params) == expected
+    # one call per flat buffer (fp32: 8.5 MB; the fp16 and bf16 ones share one staged call), not one per array
+    assert len(sizes) == 2, sizes
+    assert sizes[0] == sum(v.nbytes for k, v in params.items() if v.dtype == np.float32 and k != "head")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_initialize_falls_back_when_ranks_lay_parameters_out_differently(comm: MPI.Comm, monkeypatch: pytest.MonkeyPatch) -> None:
+    params = model(comm.rank)
+    if comm.rank == 0:
+        params = mpidp.flat_parameters(params)
+    expected = snapshot(model(0))
+    sizes = count_bcasts(monkeypatch)
+    with mpidp.DataParallel.initialize(params, comm, frozen=["frozen"]):
+        assert snapshot(params) == expected
+    assert len(sizes) == 2, sizes  # array by array: "big" alone, the small ones packed: the same calls on every rank
+    assert comm.allgather(sizes) == [sizes] * comm.size
+
+
 # -------------------------------------------------------------------- reduce
 
 

@@ -150,13 +150,14 @@ def bitwise_equal_everywhere(comm: MPI.Comm, model: nn.Module) -> None:
 
 @pytest.mark.parametrize("accumulate", [1, 3])
 @pytest.mark.parametrize("kind", ["sgd", "adamw"])
-def test_uneven_shards_equal_one_process_over_the_whole_batch(comm: MPI.Comm, kind: str, accumulate: int) -> None:
+@pytest.mark.parametrize("flat", [False, True], ids=["", "flat_parameters"])
+def test_uneven_shards_equal_one_process_over_the_whole_batch(comm: MPI.Comm, kind: str, accumulate: int, flat: bool) -> None:
     size, rank, root = comm.size, comm.rank, comm.size - 1
     steps = 4
     model = TinyLM(100 + rank, frozen=True)  # every rank its own init: root's is broadcast
     opt = optimizer(kind, model)  # created before the wrapper: the broadcast is in place
     frozen_before = snapshot(dict(TinyLM(100 + root, frozen=True).proj.state_dict()))
-    with mpidp.torch.DataParallel(model, comm, root=root) as dp:
+    with mpidp.torch.DataParallel(model, comm, root=root, flat_parameters=flat) as dp:
         assert model.head.weight is model.embed.weight
         for step in range(steps):
             tokens = 0
@@ -413,6 +414,33 @@ def test_construction_names_the_first_difference_and_moves_nothing(comm: MPI.Com
         comm, lambda: mpidp.torch.DataParallel(model, comm), ContractError, f"rank {last} differs from rank 0: {message}"
     )
     assert snapshot(dict(model.state_dict())) == before  # parameters and buffers untouched
+
+
+def test_flat_parameters_move_the_data_into_one_buffer_and_keep_the_parameters(comm: MPI.Comm) -> None:
+    model = TinyLM(3 + comm.rank, frozen=True)
+    model.norm.to(torch.bfloat16)  # a second dtype: a second buffer
+    params = dict(model.named_parameters(remove_duplicate=False))
+    expected = snapshot({n: p for n, p in TinyLM(3, frozen=True).named_parameters(remove_duplicate=False)})
+    with mpidp.torch.DataParallel(model, comm, flat_parameters=True):
+        assert dict(model.named_parameters(remove_duplicate=False)) == params  # the same Parameter objects
+        assert model.head.weight is model.embed.weight
+        storages = {p.dtype: set() for p in params.values()}
+        for p in params.values():
+            storages[p.dtype].add(p.untyped_storage().data_ptr())
+        assert {d: len(s) for d, s in storages.items()} == {torch.float32: 1, torch.bfloat16: 1}
+        got = snapshot({n: p for n, p in params.items() if p.dtype == torch.float32})
+        assert got == {n: v for n, v in expected.items() if n in got}  # root's values
+
+
+@pytest.mark.mpi(min_size=2)
+def test_flat_parameters_are_put_back_when_construction_fails(comm: MPI.Comm) -> None:
+    last = comm.size - 1
+    model = TinyLM(comm.rank, width=D + (comm.rank == last))
+    before = {n: (p.data_ptr(), p.data) for n, p in model.named_parameters()}
+    same_error_everywhere(
+        comm, lambda: mpidp.torch.DataParallel(model, comm, flat_parameters=True), ContractError, f"rank {last} differs from rank 0"
+    )
+    assert {n: p.data_ptr() for n, p in model.named_parameters()} == {n: ptr for n, (ptr, _) in before.items()}
 
 
 def grads(model: nn.Module) -> dict[str, Any]:

@@ -36,6 +36,8 @@ _REDUCE, _VERIFY = 1, 2  # exchange record tags
 #: reduce record: tag, policy, error flag, window, weight, presence words; every rank must agree on the first four
 _AGREED = slice(0, 4)
 _OPERATIONS = {_REDUCE: "reduce", _VERIFY: "verify_replicas"}
+#: up to this many ranks the exchange table is checked as Python ints, beyond it with NumPy
+_LIST_RANKS = 64
 
 
 class MissingGradientPolicy(enum.Enum):
@@ -81,6 +83,8 @@ class DataParallel:
         self._infos = local.infos
         self._device = local.device
         self._signatures = tuple(arrays.signature(a) for a in local.arrays)
+        #: (name, array, signature) per entry: what _check_replica compares every window
+        self._replica = tuple(zip((e.name for e in local.contract), local.arrays, self._signatures))
         self._cuda_aware = cuda_aware
         self._root = root
         self._chunk_bytes = chunk_bytes
@@ -102,7 +106,7 @@ class DataParallel:
         self._frozen = frozenset(e.name for e in self._contract if not e.trainable)
         self._sizes = tuple(self._infos[i].size for i in self._slots)
         #: presence bits -> (the plan, the globally present slots)
-        self._plans: dict[bytes, tuple[tuple[Call, ...], list[int]]] = {}
+        self._plans: dict[tuple[int, ...], tuple[tuple[Call, ...], list[int]]] = {}
         self._words = (len(self._slots) + 63) // 64
         #: the presence words of a rank that has every gradient
         self._complete = np.zeros(self._words, dtype=np.uint64)
@@ -111,6 +115,7 @@ class DataParallel:
         self._heads = tuple(i for i, e in enumerate(self._contract) if e.alias == i)
         #: every exchange record has this length, so mismatched operations still match in MPI
         self._record_words = max(5 + self._words, 2 + len(self._heads))
+        self._reduce_record = self._record(_REDUCE)
         self._window = 0
         self._closed = False
         self._failed: str | None = None  # set by the first CollectiveError: the session is unusable
@@ -281,15 +286,15 @@ class DataParallel:
         params = self._params
         if len(params) != len(self._contract):
             return f"the parameter mapping changed after initialize: {len(params)} names, expected {len(self._contract)}"
-        for entry, array, info, sig in zip(self._contract, self._arrays, self._infos, self._signatures):
-            current = params.get(entry.name, None)
-            if current is not array:
-                return f"parameter {entry.name!r} was replaced or removed after initialize"
-            if arrays.signature(array) == sig:
+        get, signature = params.get, arrays.signature
+        for (name, array, sig), info in zip(self._replica, self._infos):
+            if get(name, None) is not array:
+                return f"parameter {name!r} was replaced or removed after initialize"
+            if signature(array) == sig:
                 continue
             now = arrays.describe(array)
             if now != info:
-                return f"parameter {entry.name!r} changed after initialize: {now} was {info}"
+                return f"parameter {name!r} changed after initialize: {now} was {info}"
         return None
 
     def _check_gradients(
@@ -410,17 +415,19 @@ class DataParallel:
             local, views, names, prepared = [None] * n, [None] * n, [None] * n, [None] * n
             error = f"could not read the gradients: {type(e).__name__}: {e}"
         weight = 0
-        if isinstance(local_weight, bool) or not isinstance(local_weight, numbers.Integral):
+        if type(local_weight) is int and 0 <= local_weight <= _U64_MAX:  # the usual case, cheaply
+            weight = local_weight
+        elif isinstance(local_weight, bool) or not isinstance(local_weight, numbers.Integral):
             error = error or f"local_weight must be a non-negative int, got {type(local_weight).__name__} {local_weight!r}"
         elif not 0 <= local_weight <= _U64_MAX:
             error = error or f"local_weight {local_weight} is outside [0, 2**64 - 1]"
         else:
             weight = int(local_weight)
-        if not isinstance(policy, MissingGradientPolicy):
+        if policy.__class__ is MissingGradientPolicy:
+            code = policy.value
+        else:
             error = error or f"policy must be a MissingGradientPolicy, got {policy!r}"
             code = 255
-        else:
-            code = policy.value
         complete = all(g is not None for g in local)
         if error is None and code == MissingGradientPolicy.ERROR.value and weight > 0 and not complete:
             missing = self._contract[self._slots[next(i for i, g in enumerate(local) if g is None)]].name
@@ -428,28 +435,45 @@ class DataParallel:
                 f"parameter {missing!r} has no gradient (policy ERROR, local weight {weight}); "
                 "pass policy=MissingGradientPolicy.ZERO if it is legitimately unused"
             )
-        record = self._record(_REDUCE)
-        record[1:5] = (code, error is not None, self._window, weight)
+        record = self._reduce_record  # reused: Allgather has copied it out before it returns
+        record[1] = code
+        record[2] = error is not None
+        record[3] = self._window
+        record[4] = weight
+        presence = record[5 : 5 + self._words]
         if complete:
-            record[5 : 5 + self._words] = self._complete
+            presence[...] = self._complete
         else:
-            record[5:].view(np.uint8)[: (n + 7) // 8] = np.packbits(np.array([g is not None for g in local], dtype=bool))
+            presence[...] = 0
+            presence.view(np.uint8)[: (n + 7) // 8] = np.packbits(np.array([g is not None for g in local], dtype=bool))
         label = f"reduce (window {self._window})"
         table = self._comm.Allgather(record, f"{label}: exchange")
-        first = table[0]
-        if first[2] or not (table[:, _AGREED] == first[_AGREED]).all():  # the one check of the usual window
-            self._disagreement(table, error)
-        weights = table[:, 4]
-        global_weight = sum(weights.tolist())  # exact: Python ints
+        words = self._words
+        if len(table) <= _LIST_RANKS:  # a few ranks: Python ints beat a dozen tiny NumPy calls
+            rows = table.tolist()
+            head = rows[0][:4]
+            if head[2] or any(r[:4] != head for r in rows):  # the one check of the usual window
+                self._disagreement(table, error)
+            global_weight = sum(r[4] for r in rows)  # exact: Python ints
+            bits = [0] * words
+            for r in rows:
+                if r[4]:
+                    bits = [a | b for a, b in zip(bits, r[5 : 5 + words])]
+            key = tuple(bits)
+        else:
+            first = table[0]
+            if first[2] or not (table[:, _AGREED] == first[_AGREED]).all():
+                self._disagreement(table, error)
+            weights = table[:, 4]
+            global_weight = sum(weights.tolist())
+            key = tuple(np.bitwise_or.reduce(table[weights > 0, 5 : 5 + words], axis=0).tolist())
         if global_weight > _U64_MAX:
             raise ContractError(f"the global weight {global_weight} does not fit in 64 bits")
         if global_weight == 0:
             raise ContractError("the global weight is 0: no rank has a token in this window, nothing to normalize")
-        bits = np.bitwise_or.reduce(table[weights > 0, 5 : 5 + self._words], axis=0)
-        key = bits.tobytes()
         entry = self._plans.pop(key, None)  # a small LRU: presence patterns can be endless
         if entry is None:
-            globally = np.unpackbits(bits.view(np.uint8), count=n).astype(bool).tolist()
+            globally = np.unpackbits(np.array(key, dtype=np.uint64).view(np.uint8), count=n).astype(bool).tolist()
             entry = (plan(self._sizes, globally, len(self._stage)), [i for i, here in enumerate(globally) if here])
         self._plans[key] = entry
         if len(self._plans) > 8:
@@ -716,7 +740,9 @@ def _runs(local: contract.Local) -> tuple[tuple[int, ...], ...] | None:
 
     A run is a tuple of positions in the head order whose arrays are
     C-contiguous and follow one another in memory, in address order: one
-    region of bytes. Exchanged in the contract record: ranks with equal runs
+    region of bytes. Runs are listed in the order of their first head, not
+    by address, so that buffers allocated in another order on another rank
+    still match. Exchanged in the contract record: ranks with equal runs
     broadcast region by region, in a few large calls.
     """
     if local.device != "cpu":
@@ -741,7 +767,7 @@ def _runs(local: contract.Local) -> tuple[tuple[int, ...], ...] | None:
         else:
             runs.append([k])
         end = address + nbytes
-    return tuple(tuple(r) for r in runs)
+    return tuple(sorted(tuple(r) for r in runs))  # in head order: where each buffer lies must not matter
 
 
 def _region(heads: list[Any], run: tuple[int, ...]) -> np.ndarray:

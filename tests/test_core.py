@@ -141,6 +141,22 @@ def test_initialize_broadcasts_flat_parameters_buffer_by_buffer(comm: MPI.Comm, 
     assert sizes[0] == sum(v.nbytes for k, v in params.items() if v.dtype == np.float32 and k != "head")
 
 
+def test_initialize_matches_runs_whatever_order_the_buffers_lie_in(comm: MPI.Comm, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two runs of adjacent arrays, the first below the second in memory on even ranks, above it on odd ones."""
+    memory = np.zeros(4 << 20, dtype=np.uint8)
+    low, high = memory[: 2 << 20], memory[2 << 20 :]
+    first, second = (low, high) if comm.rank % 2 == 0 else (high, low)
+    a = first.view(np.float32)  # a run of two arrays: "a0" and "a1", 1.6 MB (over chunk_bytes / 4: calls of its own)
+    b = second.view(np.float32)  # a run of two arrays: "b0" and "b1"
+    params = {"a0": a[:200_000], "a1": a[200_000:400_000], "b0": b[:300_000], "b1": b[300_000:400_000]}
+    for k, (name, v) in enumerate(sorted(params.items())):
+        v[...] = 10 * comm.rank + k
+    sizes = count_bcasts(monkeypatch)
+    with mpidp.DataParallel.initialize(params, comm):
+        assert all((v == k).all() for k, (_, v) in enumerate(sorted(params.items())))  # root 0's values
+    assert sizes == [1_600_000, 1_600_000]  # one call per run, in the same order on every rank
+
+
 @pytest.mark.mpi(min_size=2)
 def test_initialize_falls_back_when_ranks_lay_parameters_out_differently(comm: MPI.Comm, monkeypatch: pytest.MonkeyPatch) -> None:
     params = model(comm.rank)

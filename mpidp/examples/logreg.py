@@ -42,6 +42,7 @@ def main(argv: list[str] | None = None) -> float:
     rng = np.random.default_rng(args.seed + 1000 * rank)  # every rank its own data
     # each rank starts from different noise: initialize() broadcasts rank 0's
     params = {"w": rng.standard_normal(args.features).astype(np.float32), "b": np.zeros(1, np.float32)}
+    params = mpidp.flat_parameters(params)  # one buffer: initialize broadcasts it in one call
     dp = mpidp.DataParallel.initialize(params, comm)
     grads = dp.gradient_buffers()  # persistent, reduced without packing
 

@@ -218,7 +218,7 @@ class DataParallel:
                 if chunk != head[2]:
                     raise ContractError(f"rank {rank} uses chunk_bytes={chunk}, rank 0 chunk_bytes={head[2]}")
             self = cls(c, params, local, int(chunk_bytes) // 4 * 4, watchdog, aware, int(root))
-            # large calls only where no rank stages device memory through its chunk-sized pinned buffer;
+            # calls above chunk_bytes only where no rank stages device memory through its chunk-sized pinned buffer;
             # whole memory runs (flat_parameters) only where every rank has the same runs
             host = all(r[4] for r in records)
             same_runs = host and runs is not None and all(r[5] == runs for r in records)
@@ -702,8 +702,8 @@ def flat_parameters(params: Mapping[str, Any]) -> dict[str, Any]:
     order :meth:`DataParallel.initialize` broadcasts them; a tied array (one
     object under several names) becomes one view under the same names. When
     every rank passes parameters laid out like this, ``initialize``
-    broadcasts each buffer in a few large calls instead of one or more per
-    array (the same holds for any caller-made layout of adjacent, contiguous
+    broadcasts each buffer as one region, in chunk-sized calls with no
+    packing, instead of array by array (the same holds for any caller-made layout of adjacent, contiguous
     arrays). Torch tensors keep their ``requires_grad`` flag. Raises
     TypeError for a value that is not a NumPy, CuPy or PyTorch array.
     """
@@ -743,7 +743,7 @@ def _runs(local: contract.Local) -> tuple[tuple[int, ...], ...] | None:
     region of bytes. Runs are listed in the order of their first head, not
     by address, so that buffers allocated in another order on another rank
     still match. Exchanged in the contract record: ranks with equal runs
-    broadcast region by region, in a few large calls.
+    broadcast region by region, with no packing.
     """
     if local.device != "cpu":
         return None

@@ -27,11 +27,12 @@ __all__ = ["BCAST_SPLIT_BYTES", "DEFAULT_CHUNK_BYTES", "TORCH_CASTS", "Call", "S
 #: raw Allreduce limit; calls of 32 MiB and more page-fault MPICH's
 #: temporary buffer on every call.
 DEFAULT_CHUNK_BYTES = 4 << 20
-#: Largest Bcast of one host array region in ``initialize``: Bcast has no
-#: temporary buffer to fault in, and on the development machine (MPICH 5.0.2
-#: wheel, one written buffer) 64 MiB calls move 10-15% more bytes per second
-#: than 4 MiB ones.
-BCAST_SPLIT_BYTES = 64 << 20
+#: Largest Bcast of one host array region in ``initialize`` (never below the
+#: chunk size). The raw Bcast sweeps of ``benchmarks/bench.py`` on the
+#: development machine (MPICH 5.0.2 wheel, one written buffer, 5 runs):
+#: 4 MiB calls within 0-6% of the best call size at 2 and 4 ranks, 64 MiB
+#: calls within 0-14% at 2 ranks but 10-50% slower at 4.
+BCAST_SPLIT_BYTES = 4 << 20
 
 
 class Segment(NamedTuple):

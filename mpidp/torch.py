@@ -57,7 +57,7 @@ class DataParallel:
     ``flat_parameters=True`` first moves the parameters' data into flat
     storage, one buffer per dtype and device (``p.data`` becomes a view; the
     ``Parameter`` objects stay, so optimizers keep working), so that the
-    broadcast is a few large calls instead of one or more per tensor.
+    broadcast moves one region per dtype instead of going tensor by tensor.
     Tensors that viewed the old ``p.data`` no longer alias the parameter,
     and saving one parameter alone saves its whole buffer.
 

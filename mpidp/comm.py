@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import pickle
+import sys
 import time
 from typing import Any
 
@@ -63,13 +64,19 @@ class Communicator:
     def _device(self, buf: Any, move: Any) -> None:
         """Run ``move(buffer)`` on device array ``buf``: directly, or through the pinned host stage.
 
-        The current stream is synchronised first, so MPI never reads memory a
-        kernel is still writing; a device pointer never reaches an MPI that
-        is not CUDA-aware.
+        CuPy's current stream (and PyTorch's, when torch has initialized
+        CUDA) is synchronised first, so MPI never reads memory a kernel is
+        still writing; a device pointer never reaches an MPI that is not
+        CUDA-aware. The copy back from the pinned stage is waited for before
+        the stage is reused or the result handed back.
         """
         import cupy
 
-        cupy.cuda.get_current_stream().synchronize()
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.cuda.is_initialized():
+            torch.cuda.current_stream().synchronize()
+        stream = cupy.cuda.get_current_stream()
+        stream.synchronize()
         if self.cuda_aware:
             move(buf)
             return
@@ -78,6 +85,7 @@ class Communicator:
         buf.get(out=host)
         move(host)
         buf.set(host)
+        stream.synchronize()
 
     def close(self) -> None:
         """Free the duplicate communicator (collective)."""

@@ -6,7 +6,8 @@ without any class and can be decoded by the restricted unpickler.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import re
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 from . import arrays
@@ -58,6 +59,8 @@ def build(params: Any, frozen: Any, device: str | None) -> Local:
     except TypeError:
         return Local((), (), (), f"frozen must be a collection of names, got {type(frozen).__name__}")
     error: str | None = None
+    if device is not None and device != "cpu" and (not isinstance(device, str) or re.fullmatch(r"cuda:\d+", device) is None):
+        return Local((), (), (), f"device must be 'cpu' or 'cuda:N', got {device!r}")
     unknown = sorted(str(n) for n in frozen_set - set(names))
     if unknown:
         error = f"frozen names unknown parameter {unknown[0]!r}"
@@ -98,7 +101,30 @@ def build(params: Any, frozen: Any, device: str | None) -> Local:
         entries.append(Entry(name, info.shape, info.dtype, trainable, alias))
         values.append(array)
         infos.append(info)
+    if error is None and device is not None:
+        error = _device_problem(device, infos)
     return Local(tuple(entries), tuple(values), tuple(infos), error, device or "cpu")
+
+
+def _device_problem(device: Any, infos: Sequence[ArrayInfo]) -> str | None:
+    """Why ``device`` cannot be this rank's device, or None.
+
+    The device work (casts, scaling, staging copies, stream synchronization)
+    runs on the current CUDA device, so an explicit ``cuda:N`` must be it.
+    """
+    if device == "cpu":
+        return None
+    gpu = next((i for i in infos if i.device.startswith("cuda")), None)
+    if gpu is None:
+        return None
+    current = arrays.current_device(gpu.backend)
+    if current != device:
+        index = device.split(":")[1]
+        return (
+            f"device {device} is not the current CUDA device ({current}): call "
+            f"mpidp.cuda.select_device(device={index}) before initialize"
+        )
+    return None
 
 
 def diff(mine: Contract, theirs: Contract) -> str | None:

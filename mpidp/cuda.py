@@ -35,7 +35,9 @@ def decide(override: str | None, alloc_kinds: str | None, query: int | None) -> 
         raise ValueError(f"MPIDP_CUDA_AWARE must be 0 or 1, got {override!r}")
     if alloc_kinds is not None:
         kinds = [k.strip() for k in alloc_kinds.split(",")]
-        if any(k == "cuda" or k.startswith("cuda:") for k in kinds):
+        # "cuda" (every CUDA allocation) or "cuda:device" (cudaMalloc); "cuda:host" and
+        # "cuda:managed" alone say nothing about device pointers
+        if any(k in ("cuda", "cuda:device") for k in kinds):
             return True, f"mpi_memory_alloc_kinds={alloc_kinds}"
     if query is not None and query > 0:
         return True, "MPIX_Query_cuda_support() = 1"

@@ -114,20 +114,25 @@ def _direct(call: Call, slots: Sequence[Any], itemsize: int) -> np.ndarray | Non
         return s.flat[first.src : first.src + first.length] if s.float32 else None
     end = s.address + first.src * itemsize
     start = end
+    host = isinstance(s.flat, np.ndarray)
     for seg in call.segments:
         t = slots[seg.slot]
         if itemsize != 1 and not t.float32:
             return None
         if t.original is not None or t.address + seg.src * itemsize != end:
             return None
+        # device memory is joined only within one allocation: a CUDA copy or a
+        # CUDA-aware MPI may refuse a range that spans two
+        if not host and t.flat.data.mem is not s.flat.data.mem:
+            return None
         end += seg.length * itemsize
     dtype = np.uint8 if itemsize == 1 else np.float32
-    if isinstance(s.flat, np.ndarray):
+    if host:
         raw: Any = MPI.buffer.fromaddress(start, end - start)
         return np.frombuffer(raw, dtype=dtype)
     import cupy
 
-    memory = cupy.cuda.UnownedMemory(start, end - start, s.flat)
+    memory = cupy.cuda.UnownedMemory(start, end - start, s.flat, s.flat.device.id)
     return cupy.ndarray((end - start) // itemsize, dtype, cupy.cuda.MemoryPointer(memory, 0))
 
 
@@ -343,5 +348,5 @@ def bcast_calls(
                 slots[seg.slot].flat.view(np.uint8)[seg.src : seg.src + seg.length] = buf[seg.dst : seg.dst + seg.length]
     if not is_root:
         for s in slots:
-            if s.original is not None:
+            if s is not None and s.original is not None:
                 s.original[...] = s.flat.reshape(s.original.shape)

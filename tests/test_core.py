@@ -372,6 +372,20 @@ def test_initialize_refuses_wrong_device(comm: MPI.Comm, where: tuple[bool, int]
     )
 
 
+def test_initialize_refuses_a_malformed_device(comm: MPI.Comm, where: tuple[bool, int]) -> None:
+    mine, bad = where
+    params = model(comm.rank)
+    before = snapshot(params)
+    device = "gpu" if mine else None
+    same_error_everywhere(
+        comm,
+        lambda: mpidp.DataParallel.initialize(params, comm, device=device),
+        ContractError,
+        f"rank {bad}: device must be 'cpu' or 'cuda:N', got 'gpu'",
+    )
+    assert snapshot(params) == before
+
+
 def test_initialize_refuses_half_frozen_tie_and_unknown_frozen(comm: MPI.Comm, where: tuple[bool, int]) -> None:
     mine, bad = where
     params = model(comm.rank)

@@ -23,6 +23,9 @@ from mpidp import cuda
         (None, None, None, False, "the MPI library reports no CUDA support"),
         ("", None, 1, True, "MPIX_Query_cuda_support() = 1"),
         (None, "mpi,system,rocm", None, False, "mpi_memory_alloc_kinds=mpi,system,rocm"),
+        (None, "mpi,system,cuda:host", None, False, "mpi_memory_alloc_kinds=mpi,system,cuda:host"),
+        (None, "mpi,system,cuda:host,cuda:managed", 0, False, "MPIX_Query_cuda_support() = 0"),
+        (None, "mpi,system,cuda:managed", 1, True, "MPIX_Query_cuda_support() = 1"),
     ],
 )
 def test_decide(override: str | None, kinds: str | None, query: int | None, aware: bool, reason: str) -> None:
@@ -98,6 +101,23 @@ def test_cupy_array_on_another_device_is_refused(comm: MPI.Comm) -> None:
     params = {"w": cupy.zeros(3, dtype=cupy.float32)}
     same_error_everywhere(
         comm, lambda: mpidp.DataParallel.initialize(params, comm, device="cuda:99"), mpidp.ContractError, "is on cuda:"
+    )
+
+
+@needs_gpu
+def test_explicit_device_that_is_not_current_is_refused(comm: MPI.Comm) -> None:
+    from conftest import same_error_everywhere
+
+    if cupy.cuda.runtime.getDeviceCount() < 2:
+        pytest.skip("needs two GPUs")
+    with cupy.cuda.Device(1):
+        params = {"w": cupy.zeros(3, dtype=cupy.float32)}
+    cupy.cuda.Device(0).use()
+    same_error_everywhere(
+        comm,
+        lambda: mpidp.DataParallel.initialize(params, comm, device="cuda:1"),
+        mpidp.ContractError,
+        "device cuda:1 is not the current CUDA device (cuda:0)",
     )
 
 

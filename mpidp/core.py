@@ -680,13 +680,28 @@ def _first_different(column: np.ndarray) -> int | None:
 _byte_bounds = getattr(np, "byte_bounds", None) or np.lib.array_utils.byte_bounds
 
 
+def _strided_bounds(address: int, shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int) -> tuple[int, int]:
+    """``[lo, hi)`` byte range of a non-empty strided array starting at ``address`` (as ``numpy.byte_bounds``)."""
+    lo = hi = address
+    for n, stride in zip(shape, strides):
+        if stride < 0:
+            lo += (n - 1) * stride
+        else:
+            hi += (n - 1) * stride
+    return lo, hi + itemsize
+
+
 def _overlap(views: list[Any], names: list[str | None]) -> str | None:
-    """Name two host gradients whose memory overlaps (each result needs its own memory), or None."""
+    """Name two gradients whose memory overlaps (each result needs its own memory), or None."""
     ranges = []
     for v, name in zip(views, names):
-        if isinstance(v, np.ndarray) and v.size:
+        if v is None or not v.size:
+            continue
+        if isinstance(v, np.ndarray):
             lo, hi = _byte_bounds(v)
-            ranges.append((lo, hi, name))
+        else:  # a CuPy view: device addresses (one device per rank)
+            lo, hi = _strided_bounds(v.data.ptr, v.shape, v.strides, v.itemsize)
+        ranges.append((lo, hi, name))
     ranges.sort(key=lambda r: r[0])
     for (_, hi, a), (lo, _, b) in itertools.pairwise(ranges):  # the first overlap is between neighbours
         if lo < hi:

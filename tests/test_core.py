@@ -658,6 +658,17 @@ def test_a_failed_collective_poisons_the_session(comm: MPI.Comm, dp: Any, monkey
         dp.reduce(grads, 1)
 
 
+def test_strided_bounds_match_numpy_byte_bounds() -> None:
+    # the overlap check's bounds for device (CuPy) gradients, checked against NumPy's on host views
+    from mpidp.core import _byte_bounds, _strided_bounds
+
+    base = np.zeros((6, 10, 4), dtype=np.float32)
+    views = [base, base[1:4, ::3], base[::-1], base[:, ::-2, 1:3], base.transpose(2, 0, 1), base[5:6, 9:, 3:], base.reshape(-1)[7:8]]
+    for v in views:
+        address = v.__array_interface__["data"][0]
+        assert _strided_bounds(address, v.shape, v.strides, v.itemsize) == tuple(_byte_bounds(v)), v.strides
+
+
 def test_reduce_refuses_gradients_that_share_memory(comm: MPI.Comm, dp: Any, where: tuple[bool, int]) -> None:
     mine, bad = where
     grads = grads_for(dp.params, np.random.default_rng(comm.rank))

@@ -105,6 +105,21 @@ def test_cupy_array_on_another_device_is_refused(comm: MPI.Comm) -> None:
 
 
 @needs_gpu
+def test_cupy_gradients_that_share_memory_are_refused(comm: MPI.Comm) -> None:
+    from conftest import same_error_everywhere
+
+    cuda.select_device(comm)
+    params = {"a": cupy.zeros(8, dtype=cupy.float32), "b": cupy.zeros(4, dtype=cupy.float32)}
+    with mpidp.DataParallel.initialize(params, comm) as dp:
+        big = cupy.ones(8, dtype=cupy.float32)
+        grads = {"a": big, "b": big[2:6] if comm.rank == comm.size - 1 else cupy.ones(4, dtype=cupy.float32)}
+        same_error_everywhere(
+            comm, lambda: dp.reduce(grads, 1), mpidp.ContractError, f"rank {comm.size - 1}: gradients 'a' and 'b' share memory"
+        )
+        assert float(big.sum()) == 8.0
+
+
+@needs_gpu
 def test_explicit_device_that_is_not_current_is_refused(comm: MPI.Comm) -> None:
     from conftest import same_error_everywhere
 

@@ -237,6 +237,23 @@ def raw_allreduce(buf: np.ndarray, chunk_bytes: int) -> Fn:
     return run
 
 
+def raw_allreduce_divide(buf: np.ndarray, chunk_bytes: int) -> Fn:
+    """The limit's chunked Allreduce, each chunk then divided by the global weight in place.
+
+    The floor of any implementation of the mean that sums, then divides, as
+    mpidp's semantics ask: the limit plus one pass over the bytes.
+    """
+    views = chunk_views(buf, chunk_bytes)
+    weight = np.float32(global_weight())
+
+    def run() -> None:
+        for v in views:
+            COMM.Allreduce(MPI.IN_PLACE, v, MPI.SUM)
+            np.divide(v, weight, out=v)
+
+    return run
+
+
 def raw_bcast(buf: np.ndarray, chunk_bytes: int) -> Fn:
     views = chunk_views(buf, chunk_bytes)
 
@@ -474,6 +491,13 @@ def bench_set(name: str, args: argparse.Namespace, gloo: Gloo | None) -> dict[st
     if want("raw_one_call"):
         record("raw_one_call", "raw Allreduce, one call", "allreduce",
                paired(limit, raw_allreduce(limit_buf, nbytes), reps, warmup, inner))
+
+    if want("raw_divide"):
+        floor_buf = np.full(n, 0, dtype=np.float32)
+        record("raw_divide", "raw Allreduce + division (floor)", "allreduce",
+               paired(limit, raw_allreduce_divide(floor_buf, ar["best_chunk_bytes"]), reps, warmup, inner,
+                      reset_values([floor_buf]), zero_limit))
+        del floor_buf
 
     fp32 = random_arrays(layout, "fp32", 1000 + rank)
     if want("per_tensor"):

@@ -243,15 +243,7 @@ def raw_allreduce_divide(buf: np.ndarray, chunk_bytes: int) -> Fn:
     The floor of any implementation of the mean that sums, then divides, as
     mpidp's semantics ask: the limit plus one pass over the bytes.
     """
-    views = chunk_views(buf, chunk_bytes)
-    weight = np.float32(global_weight())
-
-    def run() -> None:
-        for v in views:
-            COMM.Allreduce(MPI.IN_PLACE, v, MPI.SUM)
-            np.divide(v, weight, out=v)
-
-    return run
+    return allreduce_divide(chunk_views(buf, chunk_bytes))
 
 
 def raw_bcast(buf: np.ndarray, chunk_bytes: int) -> Fn:
@@ -302,17 +294,21 @@ def empty_arrays(layout: list[tuple[str, tuple[int, ...]]], mix: str) -> dict[st
     return out
 
 
-def per_tensor(grads: dict[str, np.ndarray]) -> Fn:
-    """The reference design: one in-place Allreduce and one division per tensor (float32)."""
-    tensors = list(grads.values())
+def allreduce_divide(views: Sequence[np.ndarray]) -> Fn:
+    """One in-place Allreduce per float32 view, each followed by the division by the global weight."""
     w = np.float32(global_weight())
 
     def run() -> None:
-        for g in tensors:
-            COMM.Allreduce(MPI.IN_PLACE, g, MPI.SUM)
-            np.divide(g, w, out=g)
+        for v in views:
+            COMM.Allreduce(MPI.IN_PLACE, v, MPI.SUM)
+            np.divide(v, w, out=v)
 
     return run
+
+
+def per_tensor(grads: dict[str, np.ndarray]) -> Fn:
+    """The reference design: one in-place Allreduce and one division per tensor (float32)."""
+    return allreduce_divide(list(grads.values()))
 
 
 #: Horovod's HOROVOD_FUSION_THRESHOLD as tuned on this machine (its 128 MiB default is slower here)

@@ -360,28 +360,22 @@ def test_initialize_refuses_root_outside_world(comm: MPI.Comm, where: tuple[bool
     assert snapshot(params) == before
 
 
-def test_initialize_refuses_wrong_device(comm: MPI.Comm, where: tuple[bool, int]) -> None:
-    mine, bad = where
-    params = model(comm.rank)
-    device = "cuda:0" if mine else None
-    same_error_everywhere(
-        comm,
-        lambda: mpidp.DataParallel.initialize(params, comm, device=device),
-        ContractError,
-        f"rank {bad}: parameter 'bias' is on cpu, but this rank's device is cuda:0",
-    )
-
-
-def test_initialize_refuses_a_malformed_device(comm: MPI.Comm, where: tuple[bool, int]) -> None:
+@pytest.mark.parametrize(
+    ("device", "message"),
+    [
+        ("cuda:0", "parameter 'bias' is on cpu, but this rank's device is cuda:0"),
+        ("gpu", "device must be 'cpu' or 'cuda:N', got 'gpu'"),
+    ],
+)
+def test_initialize_refuses_wrong_or_malformed_device(comm: MPI.Comm, where: tuple[bool, int], device: str, message: str) -> None:
     mine, bad = where
     params = model(comm.rank)
     before = snapshot(params)
-    device = "gpu" if mine else None
     same_error_everywhere(
         comm,
-        lambda: mpidp.DataParallel.initialize(params, comm, device=device),
+        lambda: mpidp.DataParallel.initialize(params, comm, device=device if mine else None),
         ContractError,
-        f"rank {bad}: device must be 'cpu' or 'cuda:N', got 'gpu'",
+        f"rank {bad}: {message}",
     )
     assert snapshot(params) == before
 

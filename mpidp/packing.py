@@ -20,7 +20,7 @@ from mpi4py import MPI
 
 from . import arrays
 
-__all__ = ["BCAST_SPLIT_BYTES", "DEFAULT_CHUNK_BYTES", "TORCH_CASTS", "Call", "Segment", "Slot", "bcast_calls", "plan", "reduce_calls", "slot"]
+__all__ = ["BCAST_SPLIT_BYTES", "DEFAULT_CHUNK_BYTES", "TORCH_CASTS", "Call", "Segment", "Slot", "Step", "bcast_calls", "plan", "reduce_calls", "run_steps", "slot", "steps"]
 
 #: Default chunk size in bytes. Measured with benchmarks/chunks.py on the
 #: 2-core development machine (MPICH 5.0.2 wheel): 1-4 MiB chunks reach the
@@ -262,6 +262,49 @@ def _unpack(dst: np.ndarray, src: np.ndarray, op: Callable[..., Any], operand: n
     dst[...] = src
 
 
+class Step(NamedTuple):
+    """One host Allreduce of a window, its views cut in advance."""
+
+    buf: np.ndarray  # what is summed in place: a region of the slots (direct) or of the stage
+    pieces: tuple[tuple[np.ndarray, np.ndarray], ...]  # (stage piece, slot piece) per segment; () when direct
+
+
+def steps(calls: Sequence[Call], slots: Sequence[Any], stage: np.ndarray) -> tuple[Step, ...]:
+    """Cut the views the host loop of ``calls`` works on (no data is touched).
+
+    The steps stay valid as long as the slots' memory and the stage do: a
+    caller can keep them and run them again on the same arrays.
+    """
+    out: list[Step] = []
+    for call in calls:
+        region = _direct(call, slots, 4)
+        if region is not None:
+            out.append(Step(region, ()))
+            continue
+        buf = stage[: call.length]
+        pieces = tuple(
+            (buf[seg.dst : seg.dst + seg.length], slots[seg.slot].flat[seg.src : seg.src + seg.length]) for seg in call.segments
+        )
+        out.append(Step(buf, pieces))
+    return tuple(out)
+
+
+def run_steps(work: Sequence[Step], allreduce: Callable[[np.ndarray], None], scale: float) -> None:
+    """Sum each step over all ranks and divide by ``float32(scale)``: the host loop of :func:`reduce_calls`."""
+    op, operand = _scaler(scale)
+    scratch: list[np.ndarray] = []
+    for buf, pieces in work:
+        if not pieces:
+            allreduce(buf)
+            op(buf, operand, out=buf)
+            continue
+        for piece, src in pieces:
+            _pack(piece, src)
+        allreduce(buf)
+        for piece, dst in pieces:
+            _unpack(dst, piece, op, operand, scratch)
+
+
 def reduce_calls(
     calls: Sequence[Call],
     slots: Sequence[Any],  # a Slot for every slot a call names; others may be None
@@ -279,20 +322,7 @@ def reduce_calls(
     if xp is not np:
         _reduce_device(calls, slots, stage, allreduce, np.float32(scale), xp)
         return
-    op, operand = _scaler(scale)
-    scratch: list[np.ndarray] = []
-    for call in calls:
-        region = _direct(call, slots, 4)
-        if region is not None:
-            allreduce(region)
-            op(region, operand, out=region)
-            continue
-        buf = stage[: call.length]
-        for seg in call.segments:
-            _pack(buf[seg.dst : seg.dst + seg.length], slots[seg.slot].flat[seg.src : seg.src + seg.length])
-        allreduce(buf)
-        for seg in call.segments:
-            _unpack(slots[seg.slot].flat[seg.src : seg.src + seg.length], buf[seg.dst : seg.dst + seg.length], op, operand, scratch)
+    run_steps(steps(calls, slots, stage), allreduce, scale)
     for s in slots:
         if s is not None and s.original is not None:
             s.original[...] = s.flat.reshape(s.original.shape)

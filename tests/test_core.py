@@ -810,6 +810,65 @@ def test_accepted_gradients_are_not_kept_alive(comm: MPI.Comm, dp: Any) -> None:
     assert ref() is None
 
 
+def _same_arrays(dp: Any, layout: str) -> dict[str, Any]:
+    """Gradient arrays a caller keeps and refills every window."""
+    if layout == "buffers":
+        return dp.gradient_buffers()
+    grads = {n: np.zeros(dp.params[n].shape, dp.params[n].dtype) for n in TRAINABLE}
+    if layout == "one strided":
+        grads["embed"] = np.zeros((16, 64), np.float32).T  # not C-contiguous: staged through a copy
+    return grads
+
+
+#: (weight of rank 0, weight of the last rank, names rank 0 leaves out) per window
+WINDOWS = [(3, 4, ()), (5, 1, ()), (2, 9, ()), (6, 0, ()), (7, 2, ()), (1, 1, ("bias",)), (4, 3, ()), (8, 5, ()), (2, 2, ())]
+
+
+@pytest.mark.parametrize("layout", ["separate", "one strided", "buffers"])
+def test_the_same_gradients_reduce_like_new_ones_window_after_window(comm: MPI.Comm, dp: Any, layout: str) -> None:
+    """The second window in a row on the same arrays keeps its cut views; later windows reuse them.
+
+    Every window, the arrays are refilled in place and reduced, and a second
+    session reduces fresh copies of the same values: the results must be
+    bitwise equal, through weight-0 windows, a missing gradient and back.
+    """
+    fresh = mpidp.DataParallel.initialize(model(100 + comm.rank), comm, frozen=["frozen"])
+    grads = _same_arrays(dp, layout)
+    rng = np.random.default_rng(comm.rank)
+    try:
+        for first, last, absent in WINDOWS:
+            weight = first if comm.rank == 0 else last if comm.rank == comm.size - 1 else 3
+            values = grads_for(dp.params, rng)
+            for name in TRAINABLE:
+                grads[name][...] = values[name]
+            mine = {n: g for n, g in grads.items() if not (comm.rank == 0 and n in absent)}
+            out = dp.reduce(mine, weight, ZERO)
+            want = fresh.reduce({n: v for n, v in values.items() if n in mine}, weight, ZERO)
+            assert out.global_weight == want.global_weight
+            assert sorted(out.gradients) == sorted(want.gradients)
+            assert len(out.gradients) == len(TRAINABLE) - (len(absent) if comm.size == 1 else 0)  # absent everywhere alone
+            for name in out.gradients:
+                if name in mine:
+                    assert out.gradients[name] is grads[name]  # written in place, as always
+                assert snapshot({name: out.gradients[name]}) == snapshot({name: want.gradients[name]}), (name, weight)
+            out.gradients.clear()  # the caller's dict to keep: clearing it changes no later window
+    finally:
+        fresh.close()
+
+
+def test_the_same_gradients_are_released_when_the_caller_moves_on(comm: MPI.Comm, dp: Any) -> None:
+    """Reused arrays are referenced until the next window on other arrays, not longer."""
+    import weakref
+
+    grads = grads_for(dp.params, np.random.default_rng(comm.rank))
+    dp.reduce(grads, 1)
+    dp.reduce(grads, 1)  # the second window in a row: its views are kept
+    ref = weakref.ref(grads["big"])
+    del grads
+    dp.reduce(grads_for(dp.params, np.random.default_rng(comm.rank)), 1)
+    assert ref() is None
+
+
 def test_gradient_buffers_restrided_in_place_reduce_correctly(comm: MPI.Comm, dp: Any) -> None:
     """mpidp prepares its flat-storage views once; one the caller re-strides still reduces correctly."""
     import warnings

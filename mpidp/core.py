@@ -406,6 +406,11 @@ class DataParallel:
         weight 0 are ignored (counted as zeros). Parameters no weighted rank
         has a gradient for are absent from the result.
 
+        Refilling the same arrays every window is the fast path: arrays that
+        are the last window's objects, unchanged, skip their checks, and from
+        the second window in a row the views cut for them are kept (and the
+        arrays referenced) until a window on other arrays, or ``close``.
+
         Raises ContractError identically on every rank, before anything is
         modified, when any rank's input is invalid, ranks disagree on the
         policy, or the global weight is 0. Raises CollectiveError if MPI
@@ -676,6 +681,7 @@ class DataParallel:
         if self._closed:
             return
         self._closed = True
+        self._program, self._accepted = None, {}  # release the last windows' gradient arrays
         if self._watchdog is not None:
             self._watchdog.close()
         self._comm.close()

@@ -867,6 +867,13 @@ def test_the_same_gradients_are_released_when_the_caller_moves_on(comm: MPI.Comm
     del grads
     dp.reduce(grads_for(dp.params, np.random.default_rng(comm.rank)), 1)
     assert ref() is None
+    kept = grads_for(dp.params, np.random.default_rng(comm.rank))
+    dp.reduce(kept, 1)
+    dp.reduce(kept, 1)
+    ref = weakref.ref(kept["big"])
+    del kept
+    dp.close()  # or close the session
+    assert ref() is None
 
 
 def test_gradient_buffers_restrided_in_place_reduce_correctly(comm: MPI.Comm, dp: Any) -> None:

@@ -19,6 +19,7 @@ from . import arrays, contract, cuda, guard, launch
 from .comm import Communicator
 from .errors import CollectiveError, ContractError
 from .packing import (
+    BCAST_OWN_BYTES,
     BCAST_SPLIT_BYTES,
     DEFAULT_CHUNK_BYTES,
     Call,
@@ -247,7 +248,9 @@ class DataParallel:
         else:
             heads = [self._arrays[i] for i in self._heads]
             slots = [slot(_region(heads, run)) for run in runs]
-        calls = plan([s.flat.nbytes for s in slots], [True] * len(slots), self._chunk_bytes, split)
+        # host arrays: small ones packed, the rest in calls of their own (device arrays: the reduce plan's split)
+        own = BCAST_OWN_BYTES if isinstance(self._stage, np.ndarray) else None
+        calls = plan([s.flat.nbytes for s in slots], [True] * len(slots), self._chunk_bytes, split, own)
         label = "initialize: Bcast"
         bcast_calls(calls, slots, self._stage.view(np.uint8), lambda b: self._comm.Bcast(b, root, label), self.rank == root)
 

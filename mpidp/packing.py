@@ -20,7 +20,7 @@ from mpi4py import MPI
 
 from . import arrays
 
-__all__ = ["BCAST_SPLIT_BYTES", "DEFAULT_CHUNK_BYTES", "TORCH_CASTS", "Call", "Segment", "Slot", "Step", "bcast_calls", "plan", "reduce_calls", "run_steps", "slot", "steps"]
+__all__ = ["BCAST_OWN_BYTES", "BCAST_SPLIT_BYTES", "DEFAULT_CHUNK_BYTES", "TORCH_CASTS", "Call", "Segment", "Slot", "Step", "bcast_calls", "plan", "reduce_calls", "run_steps", "slot", "steps"]
 
 #: Default chunk size in bytes. Measured with benchmarks/chunks.py on the
 #: 2-core development machine (MPICH 5.0.2 wheel): 1-4 MiB chunks reach the
@@ -33,6 +33,14 @@ DEFAULT_CHUNK_BYTES = 4 << 20
 #: 4 MiB calls within 0-6% of the best call size at 2 and 4 ranks, 64 MiB
 #: calls within 0-14% at 2 ranks but 10-50% slower at 4.
 BCAST_SPLIT_BYTES = 4 << 20
+#: Host arrays of at least this many bytes get Bcast calls of their own in
+#: ``initialize``; smaller ones are packed. A Bcast has no other pass over
+#: the bytes, so the packing copies cost more than the extra calls: on the
+#: ResNet-50 layout (161 arrays) with the development machine's MPICH,
+#: arrays from 16 KiB to 256 KiB on their own were equally fast, and 1.20x /
+#: 1.12x the raw Bcast limit at 2 / 4 ranks against 1.29x / 1.17x for
+#: packing everything under 1 MiB (the reduce plan's threshold).
+BCAST_OWN_BYTES = 64 << 10
 
 
 class Segment(NamedTuple):
@@ -47,16 +55,18 @@ class Call(NamedTuple):
     segments: tuple[Segment, ...]
 
 
-def plan(sizes: Sequence[int], present: Sequence[bool], chunk: int, split: int | None = None) -> tuple[Call, ...]:
+def plan(
+    sizes: Sequence[int], present: Sequence[bool], chunk: int, split: int | None = None, large: int | None = None
+) -> tuple[Call, ...]:
     """Split present slots into calls of at most ``chunk`` units.
 
-    A slot of at least ``chunk // 4`` units gets calls of its own (so a large
-    contiguous array is reduced in place without packing), of at most
-    ``split`` units (default ``chunk``); smaller slots are packed together,
-    in slot order, into calls of at most ``chunk`` units.
+    A slot of at least ``large`` units (default ``chunk // 4``) gets calls of
+    its own (so a large contiguous array is reduced in place without
+    packing), of at most ``split`` units (default ``chunk``); smaller slots
+    are packed together, in slot order, into calls of at most ``chunk`` units.
     """
     chunk = max(1, chunk)
-    large = max(1, chunk // 4)
+    large = max(1, min(chunk, large) if large is not None else chunk // 4)
     step = max(chunk, split or chunk)
     calls: list[Call] = []
     pending: list[Segment] = []

@@ -6,7 +6,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from mpidp.packing import bcast_calls, plan, reduce_calls, slot
+from mpidp.packing import Segment, bcast_calls, plan, reduce_calls, slot
 
 
 @pytest.mark.parametrize("chunk", [1, 7, 64, 1000])
@@ -28,6 +28,23 @@ def test_plan_covers_every_present_element_once(chunk: int) -> None:
                 assert sizes[seg.slot] < max(1, chunk // 4), "large slots get calls of their own"
     for i, s in enumerate(sizes):
         assert (seen[i] == (1 if present[i] else 0)).all()
+
+
+def test_plan_gives_slots_from_large_units_calls_of_their_own() -> None:
+    """The default threshold is a quarter chunk; initialize's Bcast plan passes a lower one."""
+    sizes, present = [5, 20, 3, 30, 9], [True] * 5
+    assert [c.segments for c in plan(sizes, present, 40)] == [
+        (Segment(1, 0, 0, 20),),
+        (Segment(3, 0, 0, 30),),
+        (Segment(0, 0, 0, 5), Segment(2, 0, 5, 3), Segment(4, 0, 8, 9)),
+    ]
+    assert [c.segments for c in plan(sizes, present, 40, large=9)] == [
+        (Segment(1, 0, 0, 20),),
+        (Segment(3, 0, 0, 30),),
+        (Segment(4, 0, 0, 9),),
+        (Segment(0, 0, 0, 5), Segment(2, 0, 5, 3)),
+    ]
+    assert plan(sizes, present, 40, large=100) == plan(sizes, present, 40, large=40)  # never above a chunk
 
 
 def test_plan_depends_only_on_sizes_and_presence() -> None:

@@ -412,7 +412,8 @@ class DataParallel:
         Refilling the same arrays every window is the fast path: arrays that
         are the last window's objects, unchanged, skip their checks, and from
         the second window in a row the views cut for them are kept (and the
-        arrays referenced) until a window on other arrays, or ``close``.
+        arrays referenced) until a window on other arrays, a window that raises,
+        or ``close``.
 
         Raises ContractError identically on every rank, before anything is
         modified, when any rank's input is invalid, ranks disagree on the
@@ -488,6 +489,8 @@ class DataParallel:
             weights = table[:, 4]
             global_weight = sum(weights.tolist())
             key = tuple(np.bitwise_or.reduce(table[weights > 0, 5 : 5 + words], axis=0).tolist())
+        if global_weight > _U64_MAX or global_weight == 0:
+            self._program = None  # a window that raises keeps no gradient arrays
         if global_weight > _U64_MAX:
             raise ContractError(f"the global weight {global_weight} does not fit in 64 bits")
         if global_weight == 0:
@@ -503,11 +506,13 @@ class DataParallel:
             gradients = self._reduce(entry, local, views, names, prepared, weight, global_weight, label)
         except CollectiveError as e:
             self._failed = str(e)
+            self._program, self._accepted = None, {}  # a broken session holds no gradient arrays
             raise
         return ReducedGradients(gradients, global_weight)
 
     def _disagreement(self, table: np.ndarray, error: str | None) -> None:
         """Raise the error every rank agrees on from an exchange table that is not unanimous."""
+        self._program = None  # a window that raises keeps no gradient arrays
         _check_operations(table)
         self._agree(table[:, 2], error)
         other = _first_different(table[:, 3])

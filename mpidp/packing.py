@@ -273,7 +273,12 @@ def _unpack(dst: np.ndarray, src: np.ndarray, op: Callable[..., Any], operand: n
 
 
 class Step(NamedTuple):
-    """One host Allreduce of a window, its views cut in advance."""
+    """One host Allreduce of a window, its views cut in advance.
+
+    A direct ``buf`` spanning several slots is built from their address and
+    holds no reference to them: whoever keeps steps must keep the slots'
+    arrays alive as long (``DataParallel`` keeps them in its kept result).
+    """
 
     buf: np.ndarray  # what is summed in place: a region of the slots (direct) or of the stage
     pieces: tuple[tuple[np.ndarray, np.ndarray], ...]  # (stage piece, slot piece) per segment; () when direct

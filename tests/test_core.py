@@ -643,13 +643,20 @@ def test_a_failed_collective_poisons_the_session(comm: MPI.Comm, dp: Any, monkey
     def broken(buf: Any, operation: str = "Allreduce") -> None:
         raise mpidp.CollectiveError(f"{operation} failed on rank {comm.rank}: simulated")
 
+    import weakref
+
     grads = grads_for(dp.params, np.random.default_rng(0))
+    dp.reduce(grads, 1)
+    dp.reduce(grads, 1)  # views kept: the broken session must not hold the arrays
     monkeypatch.setattr(dp._comm, "Allreduce", broken)
     with pytest.raises(mpidp.CollectiveError, match="simulated"):
         dp.reduce(grads, 1)
     monkeypatch.undo()
     with pytest.raises(mpidp.CollectiveError, match="an earlier collective failed"):
         dp.reduce(grads, 1)
+    ref = weakref.ref(grads["big"])
+    del grads
+    assert ref() is None
 
 
 def test_strided_bounds_match_numpy_byte_bounds() -> None:
@@ -867,6 +874,16 @@ def test_the_same_gradients_are_released_when_the_caller_moves_on(comm: MPI.Comm
     del grads
     dp.reduce(grads_for(dp.params, np.random.default_rng(comm.rank)), 1)
     assert ref() is None
+    bad = comm.size - 1
+    for weights, message in [((1, -1), f"rank {bad}: local_weight"), ((0, 0), "the global weight is 0")]:
+        kept = grads_for(dp.params, np.random.default_rng(comm.rank))
+        dp.reduce(kept, 1)
+        dp.reduce(kept, 1)
+        ref = weakref.ref(kept["big"])
+        weight = weights[comm.rank == bad]
+        same_error_everywhere(comm, lambda: dp.reduce(kept, weight), ContractError, message)  # or a window that fails
+        del kept
+        assert ref() is None, message
     kept = grads_for(dp.params, np.random.default_rng(comm.rank))
     dp.reduce(kept, 1)
     dp.reduce(kept, 1)
@@ -874,6 +891,20 @@ def test_the_same_gradients_are_released_when_the_caller_moves_on(comm: MPI.Comm
     del kept
     dp.close()  # or close the session
     assert ref() is None
+
+
+def test_a_kept_result_is_not_changed_by_later_windows(comm: MPI.Comm, dp: Any) -> None:
+    """The result of each window is the caller's: later windows on the same arrays leave its dict alone."""
+    grads = grads_for(dp.params, np.random.default_rng(comm.rank))
+    results = [dp.reduce(grads, 1) for _ in range(4)]  # the third and fourth rerun kept views
+    for r in results:
+        assert sorted(r.gradients) == sorted(TRAINABLE)  # the same names, nothing added
+        assert all(v is grads[n] for n, v in r.gradients.items())
+    results[2].gradients.pop("big")
+    results[2].gradients["extra"] = None
+    again = dp.reduce(grads, 1)
+    assert sorted(again.gradients) == sorted(TRAINABLE)
+    assert sorted(results[3].gradients) == sorted(TRAINABLE)
 
 
 def test_gradient_buffers_restrided_in_place_reduce_correctly(comm: MPI.Comm, dp: Any) -> None:

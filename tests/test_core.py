@@ -9,6 +9,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import tracemalloc
+from functools import partial
 from typing import Any
 
 import ml_dtypes
@@ -881,7 +882,7 @@ def test_the_same_gradients_are_released_when_the_caller_moves_on(comm: MPI.Comm
         dp.reduce(kept, 1)
         ref = weakref.ref(kept["big"])
         weight = weights[comm.rank == bad]
-        same_error_everywhere(comm, lambda: dp.reduce(kept, weight), ContractError, message)  # or a window that fails
+        same_error_everywhere(comm, partial(dp.reduce, kept, weight), ContractError, message)  # or a window that fails
         del kept
         assert ref() is None, message
     kept = grads_for(dp.params, np.random.default_rng(comm.rank))

@@ -315,10 +315,21 @@ def per_tensor(grads: dict[str, np.ndarray]) -> Fn:
 HOROVOD_FUSION_BYTES = 4 * MIB
 
 
-def horovod_fusion(grads: dict[str, np.ndarray], threshold: int = HOROVOD_FUSION_BYTES) -> Fn:
+#: Horovod's CacheCoordinator status bits, ahead of one bit per cached response (per tensor)
+HOROVOD_STATUS_BITS = 3
+
+
+def horovod_fusion(grads: dict[str, np.ndarray], threshold: int = HOROVOD_FUSION_BYTES, sync: bool = False) -> Fn:
     """Horovod's CPU data path over MPI, in NumPy: tensors in order are fused into responses of at most
     ``threshold`` bytes; a response of one tensor is reduced in place in one call (however large), a
-    response of several is copied into the fusion buffer, reduced, scaled and copied out."""
+    response of several is copied into the fusion buffer, reduced, scaled and copied out.
+
+    With ``sync``, each step first runs what Horovod's background thread runs every cycle once every
+    tensor is in its response cache (the steady state): ``CacheCoordinator::sync``, an in-place
+    ``MPI_Allreduce`` with ``MPI_BAND`` of a bit vector of ``long long``, one bit per cached response
+    plus status bits. All of a step's tensors are assumed ready in one cycle, and the cycle's sleep
+    (``HOROVOD_CYCLE_TIME``) is left out: both favour Horovod.
+    """
     tensors = [g.reshape(-1) for g in grads.values()]
     groups: list[list[np.ndarray]] = [[]]
     size = 0
@@ -330,8 +341,12 @@ def horovod_fusion(grads: dict[str, np.ndarray], threshold: int = HOROVOD_FUSION
         size += t.nbytes
     fusion = np.empty(threshold // 4, np.float32)
     w = np.float32(global_weight())
+    bits = np.empty((len(tensors) + HOROVOD_STATUS_BITS + 63) // 64, np.int64)
 
     def run() -> None:
+        if sync:
+            bits.fill(-1)  # every response cached on every rank: all bits set
+            COMM.Allreduce(MPI.IN_PLACE, bits, MPI.BAND)
         for group in groups:
             if len(group) == 1:
                 g = group[0]
@@ -503,6 +518,10 @@ def bench_set(name: str, args: argparse.Namespace, gloo: Gloo | None) -> dict[st
     if want("horovod_fusion"):
         record("horovod_fusion", f"Horovod-style fusion, {HOROVOD_FUSION_BYTES // MIB} MiB", "allreduce",
                paired(limit, horovod_fusion(fp32), reps, warmup, inner, reset_values(list(fp32.values())), zero_limit))
+    if want("horovod_synced"):
+        record("horovod_synced", f"Horovod-style fusion, {HOROVOD_FUSION_BYTES // MIB} MiB, + cache sync", "allreduce",
+               paired(limit, horovod_fusion(fp32, sync=True), reps, warmup, inner, reset_values(list(fp32.values())),
+                      zero_limit))
 
     # mpidp, for each dtype mix: caller-allocated arrays and gradient_buffers()
     for mix in gradsets.MIXES:

@@ -28,7 +28,7 @@ TIMEOUT = 240
 pytestmark = pytest.mark.skipif(MPI.COMM_WORLD.Get_size() > 1, reason="starts its own MPI job")
 
 MPIDP_VARIANTS = [f"mpidp_{mix}_{kind}" for mix in ("fp32", "mixed", "fp16") for kind in ("arrays", "buffers")]
-VARIANTS = ["raw_one_call", "raw_divide", "per_tensor", "horovod_fusion", "mpidp_initialize", "mpidp_initialize_flat", *MPIDP_VARIANTS]
+VARIANTS = ["raw_one_call", "raw_divide", "per_tensor", "horovod_fusion", "horovod_synced", "mpidp_initialize", "mpidp_initialize_flat", *MPIDP_VARIANTS]
 #: with torch loaded, 16-bit reduces run on torch's casts and are timed once more on NumPy's
 NUMPY_CAST_VARIANTS = ["mpidp_mixed_buffers_numpy_casts", "mpidp_fp16_buffers_numpy_casts"]
 

@@ -97,17 +97,27 @@ def test_quick_run_prints_the_table_and_draws_the_chart(quick: tuple[dict[str, A
 
 
 def test_readme_shows_the_committed_results() -> None:
-    """README's Performance table is generated from benchmarks/results/*.json, never typed by hand."""
+    """README's Performance tables are generated from the committed runs, one table per folder, never typed by hand.
+
+    ``benchmarks/results/runs`` holds the latest batch; ``runs-*`` folders keep
+    earlier batches (another machine, an earlier version) next to it.
+    """
     sys.path.insert(0, str(BENCH.parent))
     import report
 
-    results = sorted((ROOT / "benchmarks" / "results" / "runs").glob("*.json"))
-    assert results, "no committed benchmark results"
+    folders = sorted(p for p in (ROOT / "benchmarks" / "results").glob("runs*") if p.is_dir())
+    assert folders and folders[0].name == "runs", "no committed benchmark results"
     readme = (ROOT / "README.md").read_text()
-    start, end = "<!-- bench-table:start -->\n", "<!-- bench-table:end -->"
-    assert start in readme and end in readme
-    shown = readme.split(start, 1)[1].split(end, 1)[0].strip()
-    assert shown == report.markdown(results).strip(), "regenerate with: python benchmarks/report.py benchmarks/results/runs/*.json"
+    assert readme.count("<!-- bench-table:start") == len(folders), "one README table per folder of runs"
+    for folder in folders:
+        results = sorted(folder.glob("*.json"))
+        assert results, f"no results in {folder}"
+        start, end = f"<!-- bench-table:start {folder.name} -->\n", "<!-- bench-table:end -->"
+        assert start in readme, start
+        shown = readme.split(start, 1)[1].split(end, 1)[0].strip()
+        assert shown == report.markdown(results).strip(), (
+            f"regenerate with: python benchmarks/report.py benchmarks/results/{folder.name}/*.json"
+        )
     assert (ROOT / "benchmarks" / "results" / "bench.png").exists()
 
 

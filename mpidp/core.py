@@ -211,7 +211,7 @@ class DataParallel:
                 error = error or f"chunk_bytes must be an integer of at least 4096, got {chunk_bytes!r}"
                 chunk_bytes = 0
             runs = _runs(local) if error is None else None
-            record = (tuple(tuple(e) for e in local.contract), int(root), int(chunk_bytes) // 4 * 4, error, local.device == "cpu", runs)
+            record = (tuple(tuple(e) for e in local.contract), int(root), int(chunk_bytes) // 4 * 4, error, _on_host(local), runs)
             records = c.allgather_obj(record)
             for rank, (_, _, _, err, _, _) in enumerate(records):
                 if err is not None:
@@ -227,11 +227,17 @@ class DataParallel:
                 if chunk != head[2]:
                     raise ContractError(f"rank {rank} uses chunk_bytes={chunk}, rank 0 chunk_bytes={head[2]}")
             self = cls(c, params, local, int(chunk_bytes) // 4 * 4, watchdog, aware, int(root))
-            # calls above chunk_bytes only where no rank stages device memory through its chunk-sized pinned buffer;
-            # whole memory runs (flat_parameters) only where every rank has the same runs
+            # calls above chunk_bytes, and small calls of their own, only where no rank stages device memory
+            # through its chunk-sized pinned buffer; whole memory runs (flat_parameters) only where every rank
+            # has the same runs. Agreed facts only: every rank must build the same calls.
             host = all(r[4] for r in records)
             same_runs = host and runs is not None and all(r[5] == runs for r in records)
-            self._broadcast(int(root), BCAST_SPLIT_BYTES if host else None, runs if same_runs else None)
+            self._broadcast(
+                int(root),
+                BCAST_SPLIT_BYTES if host else None,
+                runs if same_runs else None,
+                BCAST_OWN_BYTES if host else None,
+            )
         except BaseException:
             if watchdog is not None:
                 watchdog.close()
@@ -241,15 +247,19 @@ class DataParallel:
             guard.install_abort_hook(MPI.COMM_WORLD.Get_rank())
         return self
 
-    def _broadcast(self, root: int, split: int | None, runs: tuple[tuple[int, ...], ...] | None = None) -> None:
-        """Bcast every tie-group head from ``root``: array by array, or by runs of adjacent memory (see :func:`_runs`)."""
+    def _broadcast(
+        self, root: int, split: int | None, runs: tuple[tuple[int, ...], ...] | None = None, own: int | None = None
+    ) -> None:
+        """Bcast every tie-group head from ``root``: array by array, or by runs of adjacent memory (see :func:`_runs`).
+
+        ``split``, ``runs`` and ``own`` (slots of at least ``own`` bytes get calls of their own, smaller ones
+        are packed; None: the reduce plan's quarter chunk) must be the same on every rank.
+        """
         if runs is None:
             slots = [slot(arrays.view(self._arrays[i])) for i in self._heads]
         else:
             heads = [self._arrays[i] for i in self._heads]
             slots = [slot(_region(heads, run)) for run in runs]
-        # host arrays: small ones packed, the rest in calls of their own (device arrays: the reduce plan's split)
-        own = BCAST_OWN_BYTES if isinstance(self._stage, np.ndarray) else None
         calls = plan([s.flat.nbytes for s in slots], [True] * len(slots), self._chunk_bytes, split, own)
         label = "initialize: Bcast"
         bcast_calls(calls, slots, self._stage.view(np.uint8), lambda b: self._comm.Bcast(b, root, label), self.rank == root)
@@ -701,6 +711,11 @@ class DataParallel:
     def __exit__(self, *exc: object) -> None:
         """Close the session (collective, like :meth:`close`)."""
         self.close()
+
+
+def _on_host(local: contract.Local) -> bool:
+    """Whether this rank's arrays are host memory (a fact of the initialize record: plans depend on every rank's)."""
+    return local.device == "cpu"
 
 
 def _bytes(v: Any) -> memoryview:

@@ -162,6 +162,25 @@ def test_initialize_matches_runs_whatever_order_the_buffers_lie_in(comm: MPI.Com
     assert sizes == [1_600_000, 1_600_000]  # one call per run, in the same order on every rank
 
 
+@pytest.mark.parametrize("device_rank", [None, 0])
+def test_initialize_plans_its_bcasts_from_agreed_facts_only(
+    comm: MPI.Comm, monkeypatch: pytest.MonkeyPatch, device_rank: int | None
+) -> None:
+    """A rank that stages device memory makes every rank plan as it does, so the Bcasts match.
+
+    Host arrays of 64 KiB and more get calls of their own only when every rank
+    is on the host; rank 0's initialize record emulates a GPU rank here.
+    """
+    if comm.rank == device_rank:
+        monkeypatch.setattr(mpidp.core, "_on_host", lambda local: False)
+    params = {"big": np.full(30_000, comm.rank, np.float32), "small": np.full(100, comm.rank, np.float32)}
+    sizes = count_bcasts(monkeypatch)
+    with mpidp.DataParallel.initialize(params, comm):
+        assert all((v == 0).all() for v in params.values())  # root 0's values
+    assert comm.allgather(sizes) == [sizes] * comm.size
+    assert sizes == ([120_000, 400] if device_rank is None else [120_400]), sizes  # own call / packed together
+
+
 @pytest.mark.mpi(min_size=2)
 def test_initialize_falls_back_when_ranks_lay_parameters_out_differently(comm: MPI.Comm, monkeypatch: pytest.MonkeyPatch) -> None:
     params = model(comm.rank)

@@ -663,13 +663,16 @@ class DataParallel:
         differ (and nothing moves but one small Allgather).
         """
         self._usable()
-        error = self._check_replica()
         heads = self._heads
         record = self._record(_VERIFY)
+        try:
+            error = self._check_replica()
+            if error is None:
+                for k, i in enumerate(heads):
+                    record[2 + k] = zlib.crc32(_bytes(arrays.view(self._arrays[i])))
+        except Exception as e:  # noqa: BLE001 - reported to every rank, never raised alone
+            error = f"could not read the parameters: {type(e).__name__}: {e}"
         record[1] = error is not None
-        if error is None:
-            for k, i in enumerate(heads):
-                record[2 + k] = zlib.crc32(_bytes(arrays.view(self._arrays[i])))
         table = self._exchange(record, "verify_replicas")
         self._agree(table[:, 1], error)
         crcs = table[:, 2 : 2 + len(heads)]

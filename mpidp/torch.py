@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from . import core
+from . import arrays, core
 from .comm import Communicator
 from .core import MissingGradientPolicy
 from .errors import ContractError
@@ -40,7 +40,7 @@ from .packing import DEFAULT_CHUNK_BYTES
 __all__ = ["DataParallel"]
 
 #: (name, shape, dtype) of one buffer, as ranks exchange it
-BufferEntry = tuple[str, tuple[int, ...], str]
+BufferEntry = tuple[str, tuple[int, ...], str, str]  # name, shape, dtype, first name of the same tensor
 
 
 class DataParallel:
@@ -88,7 +88,8 @@ class DataParallel:
         try:
             error = _check_module(model)
             buffers = _buffers(model) if error is None else []
-            self._agree_on_buffers(buffers, error)
+            prepared, why = _prepare(buffers)
+            self._agree_on_buffers(buffers, error or why)
             self._params: dict[str, Any] = dict(model.named_parameters(remove_duplicate=False))
             frozen = [name for name, p in self._params.items() if not p.requires_grad]
             if flat_parameters and error is None:
@@ -97,7 +98,7 @@ class DataParallel:
                 self._params, comm, root, frozen,
                 chunk_bytes=chunk_bytes, abort_on_exception=abort_on_exception, timeout=timeout,
             )
-            self._broadcast(buffers)
+            self._broadcast(prepared)
         except BaseException:
             if hasattr(self, "_core"):
                 self._core.close()
@@ -194,16 +195,19 @@ class DataParallel:
         """Copy root's buffers into every rank's, byte for byte, in place.
 
         Collective. Every rank must hold buffers of the same names, shapes
-        and dtypes (checked first; ContractError on every rank otherwise,
-        with nothing modified).
+        and dtypes, shared between the same names, each a dense CPU or CUDA
+        tensor (checked first; ContractError on every rank otherwise, with
+        nothing modified).
         """
         buffers = _buffers(self.module)
-        self._agree_on_buffers(buffers, None)
-        self._broadcast(buffers)
+        prepared, why = _prepare(buffers)
+        self._agree_on_buffers(buffers, why)
+        self._broadcast(prepared)
 
     def _agree_on_buffers(self, buffers: list[tuple[str, torch.Tensor]], error: str | None) -> None:
         """Raise on every rank the first rank's local error, or the first buffer that differs from rank 0's."""
-        entries = tuple((name, tuple(b.shape), _dtype(b)) for name, b in buffers)
+        first: dict[int, str] = {}
+        entries = tuple((name, tuple(b.shape), _dtype(b), first.setdefault(id(b), name)) for name, b in buffers)
         records = self._comm.allgather_obj((entries, error))
         for rank, (_, err) in enumerate(records):
             if err is not None:
@@ -213,10 +217,10 @@ class DataParallel:
             if difference is not None:
                 raise ContractError(f"rank {rank} differs from rank 0: {difference}")
 
-    def _broadcast(self, buffers: list[tuple[str, torch.Tensor]]) -> None:
-        """Move every buffer's bytes from root in one Bcast (ranks agreed on the list)."""
-        unique = list({id(b): b for _, b in buffers}.values())
-        views = [_bytes(b) for b in unique]
+    def _broadcast(self, prepared: list[tuple[torch.Tensor, np.ndarray, torch.Tensor | None]]) -> None:
+        """Move every buffer's bytes from root in one Bcast (ranks agreed on the list and its sharing)."""
+        unique = [b for b, _, _ in prepared]
+        views = [(v, host) for _, v, host in prepared]
         blob = np.empty(sum(v.size for v, _ in views), dtype=np.uint8)
         if blob.size == 0:
             return
@@ -330,6 +334,29 @@ def _buffers(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     return sorted(model.named_buffers(remove_duplicate=False), key=lambda item: item[0])
 
 
+def _prepare(buffers: list[tuple[str, torch.Tensor]]) -> tuple[list[tuple[torch.Tensor, np.ndarray, torch.Tensor | None]], str | None]:
+    """This rank's byte views of its buffers for the Bcast, each shared tensor once, or why it has none.
+
+    Made before the ranks agree, so that a buffer this rank cannot read (sparse, on
+    the meta device, ...) is an error on every rank instead of a failure on one.
+    """
+    seen: set[int] = set()
+    out: list[tuple[torch.Tensor, np.ndarray, torch.Tensor | None]] = []
+    for name, b in buffers:
+        if id(b) in seen:
+            continue
+        seen.add(id(b))
+        why = arrays.problem(b)
+        if why is not None:
+            return [], f"buffer {name!r}: {why}"
+        try:
+            v, host = _bytes(b)
+        except Exception as e:  # noqa: BLE001 - reported to every rank, never raised alone
+            return [], f"could not read buffer {name!r}: {type(e).__name__}: {e}"
+        out.append((b, v, host))
+    return out, None
+
+
 def _dtype(t: torch.Tensor) -> str:
     return str(t.dtype).removeprefix("torch.")
 
@@ -341,11 +368,17 @@ def _diff(mine: tuple[BufferEntry, ...], theirs: tuple[BufferEntry, ...]) -> str
     for a, b in zip(mine, theirs):
         if a[0] != b[0]:
             return f"buffer {b[0]!r} where rank 0 has {a[0]!r}"
-        if a != b:
+        if a[:3] != b[:3]:
             return f"buffer {a[0]!r} is {b[2]} of shape {b[1]}, on rank 0 {a[2]} of shape {a[1]}"
+        if a != b:
+            return f"buffer {a[0]!r} is {_tie(b)}, on rank 0 {_tie(a)}"
     if len(theirs) > len(mine):
         return f"{len(theirs)} buffers, rank 0 has {len(mine)} (extra {theirs[len(mine)][0]!r})"
     return f"{len(theirs)} buffers, rank 0 has {len(mine)} (missing {mine[len(theirs)][0]!r})"
+
+
+def _tie(entry: BufferEntry) -> str:
+    return "a tensor of its own" if entry[3] == entry[0] else f"the same tensor as {entry[3]!r}"
 
 
 def _bytes(t: torch.Tensor) -> tuple[np.ndarray, torch.Tensor | None]:

@@ -634,6 +634,24 @@ def test_verify_replicas(comm: MPI.Comm, dp: Any) -> None:
         )
 
 
+def test_verify_replicas_reports_a_parameter_it_cannot_read_on_every_rank(
+    comm: MPI.Comm, dp: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Reading the parameters fails on one rank only: every rank raises the same error, none waits forever."""
+    last = comm.size - 1
+    if comm.rank == last:
+
+        def unreadable(v: Any) -> memoryview:
+            raise RuntimeError("unreadable storage")
+
+        monkeypatch.setattr(mpidp.core, "_bytes", unreadable)
+    same_error_everywhere(
+        comm, dp.verify_replicas, ContractError, f"rank {last}: could not read the parameters: RuntimeError: unreadable storage"
+    )
+    monkeypatch.undo()
+    dp.verify_replicas()  # the session is still usable
+
+
 def test_closed_instance_refuses_reduce(comm: MPI.Comm) -> None:
     params = model(0)
     dp = mpidp.DataParallel.initialize(params, comm)

@@ -519,6 +519,52 @@ def test_broadcast_buffers_refuses_buffers_that_changed_on_one_rank(comm: MPI.Co
         assert buffers(model) == before
 
 
+class SharedBuffers(nn.Module):
+    """Two buffer names, one tensor (``shared``) or two."""
+
+    def __init__(self, shared: bool, fill: float) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 2)
+        a = torch.full((4,), fill)
+        self.register_buffer("a", a)
+        self.register_buffer("b", a if shared else torch.full((4,), fill))
+
+
+def test_shared_buffers_are_broadcast_once_and_stay_shared(comm: MPI.Comm) -> None:
+    model = SharedBuffers(shared=True, fill=float(comm.rank))
+    with mpidp.torch.DataParallel(model, comm) as dp:
+        assert model.a is model.b and bool((model.a == 0).all())
+        model.a.fill_(comm.rank + 5.0)
+        dp.broadcast_buffers()
+        assert model.a is model.b and bool((model.b == 5.0).all())
+
+
+@pytest.mark.mpi(min_size=2)
+def test_buffers_shared_on_one_rank_only_are_refused_on_every_rank(comm: MPI.Comm) -> None:
+    """Which names share a tensor is agreed like shapes and dtypes: the bytes broadcast depend on it."""
+    model = SharedBuffers(shared=comm.rank == 0, fill=float(comm.rank))
+    before = buffers(model)
+    same_error_everywhere(
+        comm, lambda: mpidp.torch.DataParallel(model, comm), ContractError,
+        "rank 1 differs from rank 0: buffer 'b' is a tensor of its own, on rank 0 the same tensor as 'a'",
+    )
+    assert buffers(model) == before
+
+
+def test_a_buffer_one_rank_cannot_read_is_refused_on_every_rank(comm: MPI.Comm) -> None:
+    """A sparse buffer on one rank: the same ContractError everywhere, at construction and in broadcast_buffers."""
+    last = comm.size - 1
+    message = f"rank {last}: buffer 'odd': it is a torch.sparse_coo tensor; pass a dense one (.to_dense())"
+    model = BatchNormNet(0)
+    model.register_buffer("odd", torch.eye(3).to_sparse() if comm.rank == last else torch.eye(3))
+    same_error_everywhere(comm, lambda: mpidp.torch.DataParallel(model, comm), ContractError, message)
+    model.odd = torch.eye(3)
+    with mpidp.torch.DataParallel(model, comm) as dp:
+        if comm.rank == last:
+            model.odd = torch.eye(3).to_sparse()
+        same_error_everywhere(comm, dp.broadcast_buffers, ContractError, message)
+
+
 def test_load_state_dict_after_the_wrapper_keeps_working(comm: MPI.Comm) -> None:
     """Restoring a checkpoint after construction copies in place: the wrapper still sees the module's tensors."""
     model = TinyLM(100 + comm.rank, extras=False)

@@ -88,12 +88,13 @@ class DataParallel:
         try:
             error = _check_module(model)
             buffers = _buffers(model) if error is None else []
-            prepared, why = _prepare(buffers)
-            self._agree_on_buffers(buffers, error or why)
-            self._params: dict[str, Any] = dict(model.named_parameters(remove_duplicate=False))
+            entries, prepared, why = _prepare(buffers)
+            error = error or why
+            self._params: dict[str, Any] = dict(model.named_parameters(remove_duplicate=False)) if error is None else {}
             frozen = [name for name, p in self._params.items() if not p.requires_grad]
             if flat_parameters and error is None:
-                moved = _flatten(self._params)
+                moved, error = _flatten(self._params)
+            self._agree_on_buffers(entries, error)  # every rank's local error, then the buffers: before the core starts
             self._core = core.DataParallel.initialize(
                 self._params, comm, root, frozen,
                 chunk_bytes=chunk_bytes, abort_on_exception=abort_on_exception, timeout=timeout,
@@ -199,15 +200,12 @@ class DataParallel:
         tensor (checked first; ContractError on every rank otherwise, with
         nothing modified).
         """
-        buffers = _buffers(self.module)
-        prepared, why = _prepare(buffers)
-        self._agree_on_buffers(buffers, why)
+        entries, prepared, why = _prepare(_buffers(self.module))
+        self._agree_on_buffers(entries, why)
         self._broadcast(prepared)
 
-    def _agree_on_buffers(self, buffers: list[tuple[str, torch.Tensor]], error: str | None) -> None:
+    def _agree_on_buffers(self, entries: tuple[BufferEntry, ...], error: str | None) -> None:
         """Raise on every rank the first rank's local error, or the first buffer that differs from rank 0's."""
-        first: dict[int, str] = {}
-        entries = tuple((name, tuple(b.shape), _dtype(b), first.setdefault(id(b), name)) for name, b in buffers)
         records = self._comm.allgather_obj((entries, error))
         for rank, (_, err) in enumerate(records):
             if err is not None:
@@ -217,7 +215,7 @@ class DataParallel:
             if difference is not None:
                 raise ContractError(f"rank {rank} differs from rank 0: {difference}")
 
-    def _broadcast(self, prepared: list[tuple[torch.Tensor, np.ndarray, torch.Tensor | None]]) -> None:
+    def _broadcast(self, prepared: Prepared) -> None:
         """Move every buffer's bytes from root in one Bcast (ranks agreed on the list and its sharing)."""
         unique = [b for b, _, _ in prepared]
         views = [(v, host) for _, v, host in prepared]
@@ -306,18 +304,30 @@ def _into_flat(view: torch.Tensor) -> Any:
     return hook
 
 
-def _flatten(params: dict[str, Any]) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
-    """Make every parameter's ``.data`` a view into flat storage; return (parameter, old data) pairs."""
-    unique: dict[int, str] = {}
-    for name in sorted(params):
-        unique.setdefault(id(params[name]), name)
-    flat = core.flat_parameters({name: params[name].detach() for name in unique.values()})
-    moved = []
-    for name in unique.values():
-        p = params[name]
-        moved.append((p, p.data))
-        p.data = flat[name]
-    return moved
+def _flatten(params: dict[str, Any]) -> tuple[list[tuple[torch.nn.Parameter, torch.Tensor]], str | None]:
+    """Make every parameter's ``.data`` a view into flat storage: (parameter, old data) pairs, or why not.
+
+    Local and before the ranks agree: a failure is this rank's error, with
+    nothing moved. A parameter mpidp refuses is left where it is, for the
+    core to name on every rank.
+    """
+    moved: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
+    try:
+        unique: dict[int, str] = {}
+        for name in sorted(params):
+            unique.setdefault(id(params[name]), name)
+        if any(arrays.problem(params[name]) is not None for name in unique.values()):
+            return [], None
+        flat = core.flat_parameters({name: params[name].detach() for name in unique.values()})
+        for name in unique.values():
+            p = params[name]
+            moved.append((p, p.data))
+            p.data = flat[name]
+    except Exception as e:  # noqa: BLE001 - reported to every rank, never raised alone
+        for p, old in moved:
+            p.data = old
+        return [], f"could not lay the parameters out flat (flat_parameters=True): {type(e).__name__}: {e}"
+    return moved, None
 
 
 def _check_module(model: Any) -> str | None:
@@ -334,27 +344,33 @@ def _buffers(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     return sorted(model.named_buffers(remove_duplicate=False), key=lambda item: item[0])
 
 
-def _prepare(buffers: list[tuple[str, torch.Tensor]]) -> tuple[list[tuple[torch.Tensor, np.ndarray, torch.Tensor | None]], str | None]:
-    """This rank's byte views of its buffers for the Bcast, each shared tensor once, or why it has none.
+Prepared = list[tuple[torch.Tensor, np.ndarray, torch.Tensor | None]]  # (buffer, byte view, host copy it views)
 
-    Made before the ranks agree, so that a buffer this rank cannot read (sparse, on
-    the meta device, ...) is an error on every rank instead of a failure on one.
+
+def _prepare(buffers: list[tuple[str, torch.Tensor]]) -> tuple[tuple[BufferEntry, ...], Prepared, str | None]:
+    """This rank's buffer entries to agree on, and byte views for the Bcast (each shared tensor once), or why not.
+
+    Made before the ranks agree, so that a buffer this rank cannot read (sparse,
+    on the meta device, uninitialized, ...) is an error on every rank instead of
+    a failure on one.
     """
-    seen: set[int] = set()
-    out: list[tuple[torch.Tensor, np.ndarray, torch.Tensor | None]] = []
-    for name, b in buffers:
-        if id(b) in seen:
-            continue
-        seen.add(id(b))
-        why = arrays.problem(b)
-        if why is not None:
-            return [], f"buffer {name!r}: {why}"
-        try:
+    first: dict[int, str] = {}
+    entries: list[BufferEntry] = []
+    out: Prepared = []
+    name = ""
+    try:
+        for name, b in buffers:
+            entries.append((name, tuple(b.shape), _dtype(b), first.setdefault(id(b), name)))
+            if first[id(b)] != name:  # a name of a tensor already prepared
+                continue
+            why = arrays.problem(b)
+            if why is not None:
+                return (), [], f"buffer {name!r}: {why}"
             v, host = _bytes(b)
-        except Exception as e:  # noqa: BLE001 - reported to every rank, never raised alone
-            return [], f"could not read buffer {name!r}: {type(e).__name__}: {e}"
-        out.append((b, v, host))
-    return out, None
+            out.append((b, v, host))
+    except Exception as e:  # noqa: BLE001 - reported to every rank, never raised alone
+        return (), [], f"could not read buffer {name!r}: {type(e).__name__}: {e}"
+    return tuple(entries), out, None
 
 
 def _dtype(t: torch.Tensor) -> str:

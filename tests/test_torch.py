@@ -565,6 +565,35 @@ def test_a_buffer_one_rank_cannot_read_is_refused_on_every_rank(comm: MPI.Comm) 
         same_error_everywhere(comm, dp.broadcast_buffers, ContractError, message)
 
 
+def _lazy(module: type[nn.Module], *args: Any) -> nn.Module:
+    import warnings
+
+    with warnings.catch_warnings():  # "Lazy modules are a new feature under heavy development"
+        warnings.simplefilter("ignore")
+        return module(*args)
+
+
+def test_flat_parameters_failing_on_one_rank_is_an_error_on_every_rank(comm: MPI.Comm) -> None:
+    """Laying parameters out flat fails on one rank (an uninitialized lazy layer): every rank raises, the rest are put back."""
+    last = comm.size - 1
+    model = nn.Sequential(nn.Linear(3, 4), _lazy(nn.LazyLinear, 2) if comm.rank == last else nn.Linear(4, 2))
+    before = {n: p.data_ptr() for n, p in model.named_parameters()} if comm.rank != last else None
+    same_error_everywhere(
+        comm, lambda: mpidp.torch.DataParallel(model, comm, flat_parameters=True), ContractError,
+        f"rank {last}: could not lay the parameters out flat (flat_parameters=True): ValueError",
+    )
+    if before is not None:
+        assert {n: p.data_ptr() for n, p in model.named_parameters()} == before  # p.data put back
+
+
+def test_an_uninitialized_buffer_on_one_rank_is_an_error_on_every_rank(comm: MPI.Comm) -> None:
+    last = comm.size - 1
+    model = nn.Sequential(nn.Linear(3, 3), _lazy(nn.LazyBatchNorm1d) if comm.rank == last else nn.BatchNorm1d(3))
+    same_error_everywhere(
+        comm, lambda: mpidp.torch.DataParallel(model, comm), ContractError, f"rank {last}: could not read buffer '1.running_mean': RuntimeError: Can't access the shape"
+    )
+
+
 def test_load_state_dict_after_the_wrapper_keeps_working(comm: MPI.Comm) -> None:
     """Restoring a checkpoint after construction copies in place: the wrapper still sees the module's tensors."""
     model = TinyLM(100 + comm.rank, extras=False)

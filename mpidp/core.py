@@ -184,7 +184,7 @@ class DataParallel:
                 timeout = guard.timeout_from_env()
             except ValueError as e:
                 setup_error = str(e)
-        elif isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout < 0:
+        elif isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0:  # NaN too
             setup_error, timeout = f"timeout must be a non-negative number of seconds, got {timeout!r}", None
         c = Communicator(comm)
         watchdog = guard.Watchdog(c, timeout) if timeout else None

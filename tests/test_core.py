@@ -779,11 +779,12 @@ def test_plan_cache_stays_small(comm: MPI.Comm, dp: Any) -> None:
     assert len(dp._plans) <= 8
 
 
-def test_bad_timeout_is_refused_everywhere(comm: MPI.Comm, where: tuple[bool, int]) -> None:
+@pytest.mark.parametrize("timeout", [-1, float("nan")])
+def test_bad_timeout_is_refused_everywhere(comm: MPI.Comm, where: tuple[bool, int], timeout: float) -> None:
     mine, bad = where
     same_error_everywhere(
-        comm, lambda: mpidp.DataParallel.initialize(model(0), comm, timeout=-1 if mine else None), ContractError,
-        f"rank {bad}: timeout must be a non-negative number of seconds, got -1",
+        comm, lambda: mpidp.DataParallel.initialize(model(0), comm, timeout=timeout if mine else None), ContractError,
+        f"rank {bad}: timeout must be a non-negative number of seconds, got {timeout!r}",
     )
 
 

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from . import arrays, core
+from . import arrays, core, guard
 from .comm import Communicator
 from .core import MissingGradientPolicy
 from .errors import ContractError
@@ -85,6 +85,7 @@ class DataParallel:
         self.module = model
         self._root = root
         self._comm = Communicator(comm)  # buffers travel here, apart from the core's traffic
+        self._watchdog = _watchdog(self._comm, timeout)  # the buffers' collectives are watched too
         try:
             error = _check_module(model)
             buffers = _buffers(model) if error is None else []
@@ -103,6 +104,8 @@ class DataParallel:
         except BaseException:
             if hasattr(self, "_core"):
                 self._core.close()
+            if self._watchdog is not None:
+                self._watchdog.close()
             self._comm.close()
             for p, old in locals().get("moved", []):
                 p.data = old
@@ -275,6 +278,8 @@ class DataParallel:
             hook.remove()
         self._hooks = []
         self._core.close()
+        if self._watchdog is not None:
+            self._watchdog.close()
         self._comm.close()
 
     def __enter__(self) -> DataParallel:  # noqa: PYI034 - Self needs Python 3.11
@@ -302,6 +307,21 @@ def _into_flat(view: torch.Tensor) -> Any:
         p.grad = view
 
     return hook
+
+
+def _watchdog(comm: Communicator, timeout: Any) -> guard.Watchdog | None:
+    """A watchdog over the adapter's own collectives, armed as the core's is (``timeout``, else ``MPIDP_TIMEOUT``).
+
+    An invalid timeout arms none here: the core refuses it on every rank.
+    """
+    if timeout is None:
+        try:
+            timeout = guard.timeout_from_env()
+        except ValueError:
+            return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        return None
+    return guard.Watchdog(comm, float(timeout))
 
 
 def _flatten(params: dict[str, Any]) -> tuple[list[tuple[torch.nn.Parameter, torch.Tensor]], str | None]:

@@ -65,6 +65,16 @@ def test_watchdog_aborts_a_rank_that_skipped_a_reduce() -> None:
     assert after <= 3 + 5, f"the job took {after:.1f} s to end after the skip"
 
 
+def test_watchdog_aborts_a_rank_that_skipped_broadcast_buffers() -> None:
+    """The PyTorch adapter's own collectives (its buffers) are watched like the core's."""
+    pytest.importorskip("torch")
+    code, out, after = job("skip-buffers", MPIDP_TIMEOUT="3")
+    assert code != 0, out
+    for rank in (0, 1, 2):
+        assert re.search(rf"mpidp watchdog: rank {rank} has waited [\d.]+ s in allgather_obj", out), out
+    assert after <= 3 + 5, f"the job took {after:.1f} s to end after the skip"
+
+
 def test_abort_hook_can_be_turned_off(tmp_path: Path) -> None:
     """With abort_on_exception=False a single-rank script just raises (exit 1, normal traceback)."""
     script = tmp_path / "off.py"

@@ -8,6 +8,8 @@
 - ``kill``: rank 1 kills itself with SIGKILL in the middle of training.
 - ``skip``: rank 3 skips one reduce and waits in the user's own barrier; the
   others wait in mpidp's exchange until the watchdog (MPIDP_TIMEOUT) aborts.
+- ``skip-buffers``: the same with the PyTorch adapter: rank 3 skips
+  ``broadcast_buffers``, whose collectives the adapter's own watchdog watches.
 """
 
 import os
@@ -24,6 +26,17 @@ mode = sys.argv[1]
 windows = int(sys.argv[2]) if len(sys.argv) > 2 else 20
 comm = MPI.COMM_WORLD
 rank = comm.rank
+if mode == "skip-buffers":
+    import torch
+
+    import mpidp.torch
+
+    tdp = mpidp.torch.DataParallel(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4)), comm)
+    if rank == 3:
+        print(f"rank {rank}: skipping broadcast_buffers at {time.time():.3f}", flush=True)
+        comm.Barrier()
+    tdp.broadcast_buffers()
+    sys.exit(0)
 params = {"w": np.zeros(1000, np.float32), "b": np.zeros(10, np.float32)}
 dp = mpidp.DataParallel.initialize(params, comm)
 grads = dp.gradient_buffers()

@@ -99,11 +99,11 @@ class Communicator:
     def _fail(self, operation: str, e: MPI.Exception) -> CollectiveError:
         return CollectiveError(f"{operation} failed on rank {self.rank}: {e.Get_error_string()}")
 
-    def allgather_obj(self, obj: Any) -> list[Any]:
+    def allgather_obj(self, obj: Any, operation: str = "allgather_obj") -> list[Any]:
         """Gather one plain-data object from every rank, on every rank."""
         payload = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), dtype=np.uint8)
         counts = np.empty(self.size, dtype=np.int64)
-        self._enter("allgather_obj")
+        self._enter(operation)
         try:
             self.comm.Allgather(np.array([payload.size], dtype=np.int64), counts)
             displs = np.zeros(self.size, dtype=np.int64)
@@ -111,7 +111,7 @@ class Communicator:
             out = np.empty(int(counts.sum()), dtype=np.uint8)
             self.comm.Allgatherv(payload, [out, (counts, displs), MPI.BYTE])
         except MPI.Exception as e:
-            raise self._fail("allgather_obj", e) from e
+            raise self._fail(operation, e) from e
         finally:
             self.operation = None
         try:

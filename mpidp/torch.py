@@ -85,8 +85,9 @@ class DataParallel:
         self.module = model
         self._root = root
         self._comm = Communicator(comm)  # buffers travel here, apart from the core's traffic
-        self._watchdog = _watchdog(self._comm, timeout)  # the buffers' collectives are watched too
+        self._watchdog: guard.Watchdog | None = None
         try:
+            self._watchdog = _watchdog(self._comm, timeout)  # the buffers' collectives are watched too
             error = _check_module(model)
             buffers = _buffers(model) if error is None else []
             entries, prepared, why = _prepare(buffers)
@@ -95,20 +96,22 @@ class DataParallel:
             frozen = [name for name, p in self._params.items() if not p.requires_grad]
             if flat_parameters and error is None:
                 moved, error = _flatten(self._params)
-            self._agree_on_buffers(entries, error)  # every rank's local error, then the buffers: before the core starts
+            self._agree_on_buffers(entries, error, "buffers: agreement")  # local errors, then the buffers: before the core
             self._core = core.DataParallel.initialize(
                 self._params, comm, root, frozen,
                 chunk_bytes=chunk_bytes, abort_on_exception=abort_on_exception, timeout=timeout,
             )
-            self._broadcast(prepared)
+            self._broadcast(prepared, "buffers: Bcast")
         except BaseException:
-            if hasattr(self, "_core"):
-                self._core.close()
-            if self._watchdog is not None:
-                self._watchdog.close()
-            self._comm.close()
             for p, old in locals().get("moved", []):
                 p.data = old
+            try:
+                if hasattr(self, "_core"):
+                    self._core.close()
+            finally:
+                if self._watchdog is not None:
+                    self._watchdog.close()
+                self._comm.close()
             raise
         first: dict[int, str] = {}
         for name in sorted(self._params):
@@ -203,13 +206,14 @@ class DataParallel:
         tensor (checked first; ContractError on every rank otherwise, with
         nothing modified).
         """
+        self._core._usable()  # a closed or broken session says so, on every rank alike
         entries, prepared, why = _prepare(_buffers(self.module))
-        self._agree_on_buffers(entries, why)
-        self._broadcast(prepared)
+        self._agree_on_buffers(entries, why, "broadcast_buffers: agreement")
+        self._broadcast(prepared, "broadcast_buffers: Bcast")
 
-    def _agree_on_buffers(self, entries: tuple[BufferEntry, ...], error: str | None) -> None:
+    def _agree_on_buffers(self, entries: tuple[BufferEntry, ...], error: str | None, label: str) -> None:
         """Raise on every rank the first rank's local error, or the first buffer that differs from rank 0's."""
-        records = self._comm.allgather_obj((entries, error))
+        records = self._comm.allgather_obj((entries, error), label)
         for rank, (_, err) in enumerate(records):
             if err is not None:
                 raise ContractError(f"rank {rank}: {err}")
@@ -218,7 +222,7 @@ class DataParallel:
             if difference is not None:
                 raise ContractError(f"rank {rank} differs from rank 0: {difference}")
 
-    def _broadcast(self, prepared: Prepared) -> None:
+    def _broadcast(self, prepared: Prepared, label: str) -> None:
         """Move every buffer's bytes from root in one Bcast (ranks agreed on the list and its sharing)."""
         unique = [b for b, _, _ in prepared]
         views = [(v, host) for _, v, host in prepared]
@@ -231,7 +235,7 @@ class DataParallel:
             if is_root:
                 blob[offset : offset + v.size] = v
             offset += v.size
-        self._comm.Bcast(blob, self._root, "broadcast buffers")
+        self._comm.Bcast(blob, self._root, label)
         if is_root:
             return
         offset = 0
@@ -277,10 +281,12 @@ class DataParallel:
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
-        self._core.close()
-        if self._watchdog is not None:
-            self._watchdog.close()
-        self._comm.close()
+        try:
+            self._core.close()
+        finally:
+            if self._watchdog is not None:
+                self._watchdog.close()
+            self._comm.close()
 
     def __enter__(self) -> DataParallel:  # noqa: PYI034 - Self needs Python 3.11
         return self
@@ -321,7 +327,10 @@ def _watchdog(comm: Communicator, timeout: Any) -> guard.Watchdog | None:
             return None
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
         return None
-    return guard.Watchdog(comm, float(timeout))
+    try:
+        return guard.Watchdog(comm, float(timeout))
+    except OverflowError:  # an int beyond any float: never fires
+        return None
 
 
 def _flatten(params: dict[str, Any]) -> tuple[list[tuple[torch.nn.Parameter, torch.Tensor]], str | None]:
@@ -387,6 +396,12 @@ def _prepare(buffers: list[tuple[str, torch.Tensor]]) -> tuple[tuple[BufferEntry
             if why is not None:
                 return (), [], f"buffer {name!r}: {why}"
             v, host = _bytes(b)
+            if host is not None:  # written back with copy_ on other ranks: fail here, for everyone, if it cannot be
+                try:
+                    with torch.no_grad():
+                        b.copy_(host)  # its own values: nothing changes
+                except Exception as e:  # noqa: BLE001 - reported to every rank, never raised alone
+                    return (), [], f"buffer {name!r} cannot be written in place: {type(e).__name__}: {e}"
             out.append((b, v, host))
     except Exception as e:  # noqa: BLE001 - reported to every rank, never raised alone
         return (), [], f"could not read buffer {name!r}: {type(e).__name__}: {e}"

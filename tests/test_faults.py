@@ -71,7 +71,7 @@ def test_watchdog_aborts_a_rank_that_skipped_broadcast_buffers() -> None:
     code, out, after = job("skip-buffers", MPIDP_TIMEOUT="3")
     assert code != 0, out
     for rank in (0, 1, 2):
-        assert re.search(rf"mpidp watchdog: rank {rank} has waited [\d.]+ s in allgather_obj", out), out
+        assert re.search(rf"mpidp watchdog: rank {rank} has waited [\d.]+ s in broadcast_buffers: agreement", out), out
     assert after <= 3 + 5, f"the job took {after:.1f} s to end after the skip"
 
 

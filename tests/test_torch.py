@@ -533,10 +533,10 @@ class SharedBuffers(nn.Module):
 def test_shared_buffers_are_broadcast_once_and_stay_shared(comm: MPI.Comm) -> None:
     model = SharedBuffers(shared=True, fill=float(comm.rank))
     with mpidp.torch.DataParallel(model, comm) as dp:
-        assert model.a is model.b and bool((model.a == 0).all())
-        model.a.fill_(comm.rank + 5.0)
+        assert bool((model.a == 0).all())
+        model.a.fill_(comm.rank + 5.0)  # both names
         dp.broadcast_buffers()
-        assert model.a is model.b and bool((model.b == 5.0).all())
+        assert bool((model.b == 5.0).all())
 
 
 @pytest.mark.mpi(min_size=2)
@@ -563,6 +563,30 @@ def test_a_buffer_one_rank_cannot_read_is_refused_on_every_rank(comm: MPI.Comm) 
         if comm.rank == last:
             model.odd = torch.eye(3).to_sparse()
         same_error_everywhere(comm, dp.broadcast_buffers, ContractError, message)
+
+
+def test_a_buffer_one_rank_cannot_write_in_place_is_refused_on_every_rank(comm: MPI.Comm) -> None:
+    """An expanded buffer (its elements share memory) on one rank: refused before any byte moves, on every rank."""
+    last = comm.size - 1
+    model = BatchNormNet(0)
+    model.register_buffer("z", torch.full((1,), 7.0).expand(4) if comm.rank == last else torch.full((4,), 7.0))
+    same_error_everywhere(
+        comm, lambda: mpidp.torch.DataParallel(model, comm), ContractError,
+        f"rank {last}: buffer 'z' cannot be written in place: RuntimeError",
+    )
+    model.z = torch.full((4,), float(comm.rank))
+    with mpidp.torch.DataParallel(model, comm) as dp:
+        if comm.rank == last:
+            model.z = torch.full((1,), float(comm.rank)).expand(4)
+        before = {n: b.clone() for n, b in model.named_buffers()}
+        same_error_everywhere(comm, dp.broadcast_buffers, ContractError, f"rank {last}: buffer 'z' cannot be written in place")
+        assert all(torch.equal(b, before[n]) for n, b in model.named_buffers())  # nothing modified, on any rank
+
+
+def test_broadcast_buffers_after_close_says_so_on_every_rank(comm: MPI.Comm) -> None:
+    dp = mpidp.torch.DataParallel(BatchNormNet(0), comm)
+    dp.close()
+    same_error_everywhere(comm, dp.broadcast_buffers, ContractError, "this DataParallel is closed")
 
 
 def _lazy(module: type[nn.Module], *args: Any) -> nn.Module:

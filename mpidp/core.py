@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import math
 import numbers
 import warnings
 import weakref
@@ -186,6 +187,11 @@ class DataParallel:
                 setup_error = str(e)
         elif isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0:  # NaN too
             setup_error, timeout = f"timeout must be a non-negative number of seconds, got {timeout!r}", None
+        else:
+            try:
+                timeout = float(timeout)
+            except OverflowError:  # an int beyond any float: as good as no limit
+                timeout = math.inf
         c = Communicator(comm)
         watchdog = guard.Watchdog(c, timeout) if timeout else None
         try:
@@ -243,8 +249,8 @@ class DataParallel:
                 watchdog.close()
             c.close()
             raise
-        if abort_on_exception and c.size > 1:
-            guard.install_abort_hook(MPI.COMM_WORLD.Get_rank())
+        if c.size > 1:  # the latest session decides, for the process
+            guard.install_abort_hook(MPI.COMM_WORLD.Get_rank(), bool(abort_on_exception))
         return self
 
     def _broadcast(

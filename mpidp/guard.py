@@ -18,25 +18,33 @@ if TYPE_CHECKING:
 __all__ = ["Watchdog", "install_abort_hook", "timeout_from_env"]
 
 _installed = False
+#: whether the installed hook aborts: set by every initialize (the latest one's ``abort_on_exception`` wins)
+_enabled = True
 
 
 #: pause between printing an uncaught exception and MPI_Abort
 _FORWARD_SECONDS = 0.3
 
 
-def install_abort_hook(rank: int) -> None:
-    """Make an uncaught exception on this rank abort the whole MPI job.
+def install_abort_hook(rank: int, enabled: bool = True) -> None:
+    """Make an uncaught exception on this rank abort the whole MPI job (or, with ``enabled=False``, not).
 
     Chains to the hook already installed (which prints the traceback), then
     calls ``MPI_Abort`` so that the other ranks do not wait forever in a
-    collective. Installed once per process.
+    collective. Installed once per process; every call sets whether it aborts.
+    Python does not pass ``SystemExit`` to the hook, nor exceptions of other
+    threads: ``python -m mpi4py`` covers the first.
     """
-    global _installed
-    if _installed:
+    global _installed, _enabled
+    _enabled = enabled
+    if _installed or not enabled:
         return
     previous = sys.excepthook
 
     def hook(kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
+        if not _enabled:
+            previous(kind, value, tb)
+            return
         sys.stderr.write(f"mpidp: uncaught {kind.__name__} on rank {rank}; aborting the MPI job\n")
         try:
             previous(kind, value, tb)
@@ -53,14 +61,16 @@ def install_abort_hook(rank: int) -> None:
 
 
 def timeout_from_env() -> float | None:
-    """Read ``MPIDP_TIMEOUT`` (seconds; unset, empty or 0 means off)."""
+    """Read ``MPIDP_TIMEOUT`` (seconds; unset, empty or 0 means off; negative or NaN is an error)."""
     raw = os.environ.get("MPIDP_TIMEOUT", "").strip()
     if not raw:
         return None
     try:
         value = float(raw)
     except ValueError as e:
-        raise ValueError(f"MPIDP_TIMEOUT must be a number of seconds, got {raw!r}") from e
+        raise ValueError(f"MPIDP_TIMEOUT must be a non-negative number of seconds, got {raw!r}") from e
+    if not value >= 0:  # NaN too
+        raise ValueError(f"MPIDP_TIMEOUT must be a non-negative number of seconds, got {raw!r}")
     return value if value > 0 else None
 
 
@@ -84,7 +94,7 @@ class Watchdog:
         self._stop.set()
 
     def _run(self) -> None:
-        poll = min(1.0, self.timeout / 4)
+        poll = max(0.01, min(1.0, self.timeout / 4))
         while not self._stop.wait(poll):
             operation, since = self.comm.operation, self.comm.since
             if operation is None:

@@ -788,6 +788,21 @@ def test_bad_timeout_is_refused_everywhere(comm: MPI.Comm, where: tuple[bool, in
     )
 
 
+@pytest.mark.parametrize("value", ["-5", "nan"])
+def test_bad_timeout_in_the_environment_is_refused_everywhere(
+    comm: MPI.Comm, where: tuple[bool, int], value: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    mine, bad = where
+    if mine:
+        monkeypatch.setenv("MPIDP_TIMEOUT", value)
+    else:
+        monkeypatch.delenv("MPIDP_TIMEOUT", raising=False)
+    same_error_everywhere(
+        comm, lambda: mpidp.DataParallel.initialize(model(0), comm), ContractError,
+        f"rank {bad}: MPIDP_TIMEOUT must be a non-negative number of seconds, got {value!r}",
+    )
+
+
 # ------------------------------------------ the same gradients, window after window
 
 def _freeze_big(g: dict[str, Any]) -> None:

@@ -75,6 +75,22 @@ def test_watchdog_aborts_a_rank_that_skipped_broadcast_buffers() -> None:
     assert after <= 3 + 5, f"the job took {after:.1f} s to end after the skip"
 
 
+def test_the_latest_session_decides_whether_an_exception_aborts(tmp_path: Path) -> None:
+    """A session with abort_on_exception=False after a closed default one: an exception is a plain traceback."""
+    script = tmp_path / "later.py"
+    script.write_text(
+        "import numpy as np, mpidp\n"
+        "mpidp.DataParallel.initialize({'w': np.zeros(3, np.float32)}).close()\n"
+        "dp = mpidp.DataParallel.initialize({'w': np.zeros(3, np.float32)}, abort_on_exception=False)\n"
+        "raise RuntimeError('plain failure')\n"
+    )
+    p = subprocess.run([MPIEXEC, "-n", "2", sys.executable, str(script)], check=False, capture_output=True, text=True,
+                       timeout=60, env=clean_env())
+    out = p.stdout + p.stderr
+    assert p.returncode != 0 and out.count("RuntimeError: plain failure") == 2, out
+    assert "mpidp: uncaught" not in out, out
+
+
 def test_abort_hook_can_be_turned_off(tmp_path: Path) -> None:
     """With abort_on_exception=False a single-rank script just raises (exit 1, normal traceback)."""
     script = tmp_path / "off.py"

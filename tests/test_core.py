@@ -788,6 +788,15 @@ def test_bad_timeout_is_refused_everywhere(comm: MPI.Comm, where: tuple[bool, in
     )
 
 
+def test_a_timeout_beyond_any_float_means_no_limit(comm: MPI.Comm) -> None:
+    import time
+
+    with mpidp.DataParallel.initialize(model(0), comm, timeout=10**400) as dp:
+        time.sleep(0.1)
+        assert dp._watchdog is not None and dp._watchdog._thread.is_alive()  # watching, never firing
+        dp.verify_replicas()
+
+
 @pytest.mark.parametrize("value", ["-5", "nan"])
 def test_bad_timeout_in_the_environment_is_refused_everywhere(
     comm: MPI.Comm, where: tuple[bool, int], value: str, monkeypatch: pytest.MonkeyPatch

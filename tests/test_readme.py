@@ -566,7 +566,7 @@ def test_sbatch_template_launches_the_example(tmp_path: Path, override: str | No
     assert result.returncode == 0, result.stderr
     expected = override or ("pmix" if "Open MPI" in MPI.Get_library_version() else "pmi2")
     assert log.read_text().splitlines() == [
-        f"--mpi={expected}", "python", "-m", "mpi4py", "-m", "mpidp.examples.charlm", "--steps", "3",
+        f"--mpi={expected}", "--cpus-per-task=8", "python", "-m", "mpi4py", "-m", "mpidp.examples.charlm", "--steps", "3",
         "MPIDP_TIMEOUT=900 OMP_NUM_THREADS=8",
     ]
     assert f"srun --mpi={expected}" in result.stdout and "8 rank(s)" in result.stdout

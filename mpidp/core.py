@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import enum
 import itertools
-import math
 import numbers
 import warnings
 import weakref
@@ -180,18 +179,10 @@ class DataParallel:
         if warning is not None:
             warnings.warn(warning, launch.LaunchWarning, stacklevel=2)
         setup_error: str | None = None
-        if timeout is None:
-            try:
-                timeout = guard.timeout_from_env()
-            except ValueError as e:
-                setup_error = str(e)
-        elif isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0:  # NaN too
-            setup_error, timeout = f"timeout must be a non-negative number of seconds, got {timeout!r}", None
-        else:
-            try:
-                timeout = float(timeout)
-            except OverflowError:  # an int beyond any float: as good as no limit
-                timeout = math.inf
+        try:
+            timeout = guard.resolve_timeout(timeout)
+        except ValueError as e:
+            setup_error, timeout = str(e), None
         c = Communicator(comm)
         watchdog = guard.Watchdog(c, timeout) if timeout else None
         try:
@@ -505,11 +496,10 @@ class DataParallel:
             weights = table[:, 4]
             global_weight = sum(weights.tolist())
             key = tuple(np.bitwise_or.reduce(table[weights > 0, 5 : 5 + words], axis=0).tolist())
-        if global_weight > _U64_MAX or global_weight == 0:
+        if not 0 < global_weight <= _U64_MAX:
             self._program = None  # a window that raises keeps no gradient arrays
-        if global_weight > _U64_MAX:
-            raise ContractError(f"the global weight {global_weight} does not fit in 64 bits")
-        if global_weight == 0:
+            if global_weight:
+                raise ContractError(f"the global weight {global_weight} does not fit in 64 bits")
             raise ContractError("the global weight is 0: no rank has a token in this window, nothing to normalize")
         entry = self._plans.pop(key, None)  # a small LRU: presence patterns can be endless
         if entry is None:

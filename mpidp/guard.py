@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import faulthandler
+import math
 import os
 import sys
 import threading
@@ -15,7 +16,7 @@ from mpi4py import MPI
 if TYPE_CHECKING:
     from .comm import Communicator
 
-__all__ = ["Watchdog", "install_abort_hook", "timeout_from_env"]
+__all__ = ["Watchdog", "install_abort_hook", "resolve_timeout", "timeout_from_env"]
 
 _installed = False
 #: whether the installed hook aborts: set by every initialize (the latest one's ``abort_on_exception`` wins)
@@ -71,6 +72,22 @@ def timeout_from_env() -> float | None:
         raise ValueError(f"MPIDP_TIMEOUT must be a non-negative number of seconds, got {raw!r}") from e
     if not value >= 0:  # NaN too
         raise ValueError(f"MPIDP_TIMEOUT must be a non-negative number of seconds, got {raw!r}")
+    return value if value > 0 else None
+
+
+def resolve_timeout(timeout: object) -> float | None:
+    """The watchdog's seconds from ``timeout=`` (None: ``MPIDP_TIMEOUT``); None when off.
+
+    Raises ValueError naming the bad value: a negative number, NaN, or not a number.
+    """
+    if timeout is None:
+        return timeout_from_env()
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0:  # NaN too
+        raise ValueError(f"timeout must be a non-negative number of seconds, got {timeout!r}")
+    try:
+        value = float(timeout)
+    except OverflowError:  # an int beyond any float: as good as no limit
+        value = math.inf
     return value if value > 0 else None
 
 

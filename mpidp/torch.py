@@ -224,22 +224,20 @@ class DataParallel:
 
     def _broadcast(self, prepared: Prepared, label: str) -> None:
         """Move every buffer's bytes from root in one Bcast (ranks agreed on the list and its sharing)."""
-        unique = [b for b, _, _ in prepared]
-        views = [(v, host) for _, v, host in prepared]
-        blob = np.empty(sum(v.size for v, _ in views), dtype=np.uint8)
+        blob = np.empty(sum(v.size for _, v, _ in prepared), dtype=np.uint8)
         if blob.size == 0:
             return
         is_root = self._comm.rank == self._root
-        offset = 0
-        for v, _ in views:
-            if is_root:
+        if is_root:
+            offset = 0
+            for _, v, _ in prepared:
                 blob[offset : offset + v.size] = v
-            offset += v.size
+                offset += v.size
         self._comm.Bcast(blob, self._root, label)
         if is_root:
             return
         offset = 0
-        for b, (v, host) in zip(unique, views):
+        for b, v, host in prepared:
             v[...] = blob[offset : offset + v.size]
             offset += v.size
             if host is not None:
@@ -320,17 +318,11 @@ def _watchdog(comm: Communicator, timeout: Any) -> guard.Watchdog | None:
 
     An invalid timeout arms none here: the core refuses it on every rank.
     """
-    if timeout is None:
-        try:
-            timeout = guard.timeout_from_env()
-        except ValueError:
-            return None
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-        return None
     try:
-        return guard.Watchdog(comm, float(timeout))
-    except OverflowError:  # an int beyond any float: never fires
+        seconds = guard.resolve_timeout(timeout)
+    except ValueError:
         return None
+    return guard.Watchdog(comm, seconds) if seconds else None
 
 
 def _flatten(params: dict[str, Any]) -> tuple[list[tuple[torch.nn.Parameter, torch.Tensor]], str | None]:

@@ -6,6 +6,7 @@ torch or cupy: a backend is recognised by the module its type comes from.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -127,6 +128,17 @@ def current_device(backend: str) -> str:
     import cupy
 
     return f"cuda:{cupy.cuda.runtime.getDevice()}"
+
+
+def wait_for_torch() -> None:
+    """Wait for PyTorch's current CUDA stream, if this process uses torch on a GPU (local).
+
+    Gradients computed by torch are written on torch's stream; device work
+    and MPI that read them must not start before it is done.
+    """
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        torch.cuda.current_stream().synchronize()
 
 
 def view(x: Any) -> Any:

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import io
 import pickle
-import sys
 import time
 from typing import Any
 
 import numpy as np
 from mpi4py import MPI
 
+from . import arrays
 from .errors import CollectiveError, ContractError
 
 __all__ = ["Communicator", "loads"]
@@ -50,16 +50,22 @@ class Communicator:
         self.operation: str | None = None  # the collective this rank is in, if any
         self.since = 0.0
         self.cuda_aware = False
-        self._pinned: np.ndarray | None = None  # host staging for device buffers
+        #: two chunk-sized buffers of pinned host memory, to stage device buffers through
+        self.pinned: tuple[np.ndarray, np.ndarray] | None = None
 
     def use_device(self, cuda_aware: bool, chunk_bytes: int) -> None:
-        """Prepare for device buffers: hand them to MPI directly, or stage them through pinned host memory."""
+        """Prepare for device buffers: hand them to MPI directly, or stage them through pinned host memory.
+
+        Call it with the arrays' device current. Not CUDA-aware: allocates
+        :attr:`pinned` (the reduce pipeline uses both, :meth:`Bcast` the first).
+        """
         self.cuda_aware = cuda_aware
-        if not cuda_aware and self._pinned is None:
+        if not cuda_aware and self.pinned is None:
             import cupy
 
-            memory = cupy.cuda.alloc_pinned_memory(chunk_bytes)
-            self._pinned = np.frombuffer(memory, dtype=np.uint8, count=chunk_bytes)
+            memory = cupy.cuda.alloc_pinned_memory(2 * chunk_bytes)
+            both = np.frombuffer(memory, dtype=np.uint8, count=2 * chunk_bytes)
+            self.pinned = (both[:chunk_bytes], both[chunk_bytes:])
 
     def _device(self, buf: Any, move: Any) -> None:
         """Run ``move(buffer)`` on device array ``buf``: directly, or through the pinned host stage.
@@ -72,16 +78,14 @@ class Communicator:
         """
         import cupy
 
-        torch = sys.modules.get("torch")
-        if torch is not None and torch.cuda.is_initialized():
-            torch.cuda.current_stream().synchronize()
+        arrays.wait_for_torch()
         stream = cupy.cuda.get_current_stream()
         stream.synchronize()
         if self.cuda_aware:
             move(buf)
             return
-        assert self._pinned is not None, "use_device() was not called"
-        host = self._pinned[: buf.nbytes].view(buf.dtype)
+        assert self.pinned is not None, "use_device() was not called"
+        host = self.pinned[0][: buf.nbytes].view(buf.dtype)
         buf.get(out=host)
         move(host)
         buf.set(host)

@@ -24,6 +24,7 @@ from .packing import (
     DEFAULT_CHUNK_BYTES,
     Call,
     Slot,
+    Staging,
     Step,
     bcast_calls,
     plan,
@@ -94,12 +95,20 @@ class DataParallel:
         self._chunk_bytes = chunk_bytes
         self._watchdog = watchdog
         self._stage: Any = np.empty(chunk_bytes // 4, dtype=np.float32)
+        #: the host-staged reduce pipeline's buffers and copy stream (device arrays, MPI not CUDA-aware)
+        self._staging: Staging | None = None
         if self._device != "cpu":  # upcast, scale and downcast on the device
             import cupy
 
             with cupy.cuda.Device(int(self._device.split(":")[1])):
                 self._stage = cupy.empty(chunk_bytes // 4, dtype=cupy.float32)
-            comm.use_device(cuda_aware[0], chunk_bytes)
+                comm.use_device(cuda_aware[0], chunk_bytes)
+                if comm.pinned is not None:
+                    self._staging = Staging(
+                        (self._stage, cupy.empty(chunk_bytes // 4, dtype=cupy.float32)),
+                        (comm.pinned[0].view(np.float32), comm.pinned[1].view(np.float32)),
+                        cupy.cuda.Stream(non_blocking=True),
+                    )
         #: contract indices of the trainable tie-group heads: one reduction slot each
         self._slots = tuple(i for i, e in enumerate(self._contract) if e.trainable and e.alias == i)
         slot_of_head = {head: s for s, head in enumerate(self._slots)}
@@ -604,7 +613,7 @@ class DataParallel:
             self._program = (entry, self._accepted_serial, work, dict(out))
             run_steps(work, allreduce, global_weight)
             return out
-        reduce_calls(calls, slots, self._stage, allreduce, global_weight)
+        reduce_calls(calls, slots, self._stage, allreduce, global_weight, self._staging)
         return out
 
     # ------------------------------------------------- flat gradient storage

@@ -20,7 +20,7 @@ from mpi4py import MPI
 
 from . import arrays
 
-__all__ = ["BCAST_OWN_BYTES", "BCAST_SPLIT_BYTES", "DEFAULT_CHUNK_BYTES", "TORCH_CASTS", "Call", "Segment", "Slot", "Step", "bcast_calls", "plan", "reduce_calls", "run_steps", "slot", "steps"]
+__all__ = ["BCAST_OWN_BYTES", "BCAST_SPLIT_BYTES", "DEFAULT_CHUNK_BYTES", "TORCH_CASTS", "Call", "Segment", "Slot", "Staging", "Step", "bcast_calls", "plan", "reduce_calls", "run_steps", "slot", "steps"]
 
 #: Default chunk size in bytes. Measured with benchmarks/chunks.py on the
 #: 2-core development machine (MPICH 5.0.2 wheel): 1-4 MiB chunks reach the
@@ -320,22 +320,40 @@ def run_steps(work: Sequence[Step], allreduce: Callable[[np.ndarray], None], sca
             _unpack(dst, piece, op, operand, scratch)
 
 
+class Staging(NamedTuple):
+    """What the device loop needs when MPI is not CUDA-aware: device memory never reaches MPI.
+
+    Two chunk-sized float32 stages on the device and two in pinned host
+    memory, used in turn, and the stream the copies between them run on.
+    """
+
+    stages: tuple[Any, Any]  # CuPy float32 arrays of one chunk each
+    pinned: tuple[np.ndarray, np.ndarray]  # float32 host arrays of one chunk each, in pinned memory
+    stream: Any  # a CuPy stream of the arrays' device (non-blocking: only events order it)
+
+
 def reduce_calls(
     calls: Sequence[Call],
     slots: Sequence[Any],  # a Slot for every slot a call names; others may be None
     stage: np.ndarray,
     allreduce: Callable[[np.ndarray], None],
     scale: float,
+    staging: Staging | None = None,
 ) -> None:
     """Sum every call over all ranks, divide by ``float32(scale)`` and leave the result in the slots.
 
     Results are bitwise those of upcasting to float32, summing, dividing by
     ``scale`` in float32 and casting back with NumPy / ml_dtypes. Extra host
     memory: at most one sub-block of scratch (256 KiB) beside ``stage``.
+    Device arrays with ``staging`` go through the host-staged pipeline
+    (:func:`_reduce_staged`); ``allreduce`` then gets host arrays only.
     """
     xp = arrays.xp(stage)  # numpy for host arrays, cupy for device arrays (cast and scale on the device)
     if xp is not np:
-        _reduce_device(calls, slots, stage, allreduce, np.float32(scale), xp)
+        if staging is not None:
+            _reduce_staged(calls, slots, staging, allreduce, np.float32(scale), xp)
+        else:
+            _reduce_device(calls, slots, stage, allreduce, np.float32(scale), xp)
         return
     run_steps(steps(calls, slots, stage), allreduce, scale)
     for s in slots:
@@ -368,6 +386,73 @@ def _reduce_device(
     for s in slots:
         if s is not None and s.original is not None:
             s.original[...] = s.flat.reshape(s.original.shape)
+
+
+def _reduce_staged(
+    calls: Sequence[Call],
+    slots: Sequence[Any],
+    staging: Staging,
+    allreduce: Callable[[np.ndarray], None],
+    scale: np.float32,
+    xp: Any,
+) -> None:
+    """:func:`reduce_calls` for device arrays and an MPI that is not CUDA-aware: a two-deep pipeline.
+
+    Call ``i`` is packed (upcast) into device stage ``i % 2``, or is a direct
+    region of the gradients, and copied down into pinned buffer ``i % 2`` on
+    the copy stream. While the host sums call ``i`` in MPI, call ``i + 1``'s
+    copy down runs, and call ``i - 1``'s copy up, division and cast back
+    run behind it. The only order between the two streams is events:
+
+    * a copy down waits for everything queued on the current stream before
+      (the gradients, the zeroing of weight-0 ranks, the packing);
+    * MPI waits (on the host) for its buffer's copy down;
+    * the division and cast back wait for the copy up;
+    * buffer ``i % 2`` is reused by call ``i + 2`` only after call ``i``'s
+      copy up (same copy stream) and cast back (same current stream).
+
+    The current stream is synchronised at the end, so the results are
+    ready for any stream and for the host when this returns, as with the
+    CUDA-aware loop.
+    """
+    arrays.wait_for_torch()
+    current = xp.cuda.get_current_stream()
+    copies = staging.stream
+    regions: list[Any] = [None] * len(calls)  # what call i sums: a direct region of the slots, or a stage
+    staged = [False] * len(calls)
+    down: list[Any] = [None] * len(calls)  # event: call i is in its pinned buffer
+
+    def copy_down(i: int) -> None:
+        call = calls[i]
+        region: Any = _direct(call, slots, 4)
+        if region is None:
+            region, staged[i] = staging.stages[i % 2][: call.length], True
+            for seg in call.segments:
+                region[seg.dst : seg.dst + seg.length] = slots[seg.slot].flat[seg.src : seg.src + seg.length]
+        regions[i] = region
+        copies.wait_event(current.record())
+        region.get(stream=copies, out=staging.pinned[i % 2][: call.length], blocking=False)
+        down[i] = copies.record()
+
+    if calls:
+        copy_down(0)
+    for i, call in enumerate(calls):
+        if i + 1 < len(calls):
+            copy_down(i + 1)
+        host = staging.pinned[i % 2][: call.length]
+        down[i].synchronize()
+        allreduce(host)
+        region = regions[i]
+        region.set(host, stream=copies)
+        current.wait_event(copies.record())
+        xp.divide(region, scale, out=region)
+        if staged[i]:
+            for seg in call.segments:
+                slots[seg.slot].flat[seg.src : seg.src + seg.length] = region[seg.dst : seg.dst + seg.length]
+    for s in slots:
+        if s is not None and s.original is not None:
+            s.original[...] = s.flat.reshape(s.original.shape)
+    current.synchronize()
 
 
 def bcast_calls(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 from mpi4py import MPI
@@ -65,8 +67,8 @@ needs_gpu = pytest.mark.skipif(cupy is None, reason="needs CuPy and a GPU")
 @needs_gpu
 @pytest.mark.parametrize("aware", ["0", "1"])
 def test_cupy_reduce_matches_numpy(comm: MPI.Comm, aware: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    if aware == "1" and not cuda.detect(comm)[0]:
-        pytest.skip("this MPI is not CUDA-aware")
+    if aware == "1" and not cuda.detect(comm)[0] and not getattr(cupy, "_mpidp_fake", False):
+        pytest.skip("this MPI is not CUDA-aware")  # the fake CuPy's device memory is host memory: any MPI reads it
     monkeypatch.setenv("MPIDP_CUDA_AWARE", aware)
     device = cuda.select_device(comm)
     rng = np.random.default_rng(comm.rank)
@@ -148,3 +150,96 @@ def test_cupy_flat_parameters_share_one_device_buffer_and_broadcast(comm: MPI.Co
         expected = comm.bcast(host, root=0)
         for k in host:
             assert np.array_equal(cupy.asnumpy(params[k]), expected[k])
+
+
+class _Recording:
+    """Stands in for the session's MPI communicator and records what each Allreduce was given."""
+
+    def __init__(self, comm: MPI.Comm, seen: list[tuple[str, int]], copies: Any = None) -> None:
+        self._comm, self._seen, self._copies = comm, seen, copies
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._comm, name)
+
+    def Allreduce(self, send: Any, recv: Any, op: Any) -> None:
+        # what MPI was given, and (fake CuPy only: its copies run when waited for) whether a copy
+        # on the staging stream was still queued, i.e. overlapped with this call
+        pending = self._copies is not None and not self._copies.done
+        self._seen.append((type(recv).__module__.split(".")[0] + ("+pending" if pending else ""), recv.size))
+        self._comm.Allreduce(send, recv, op)
+
+
+def _mixed_set(rng: np.random.Generator) -> dict[str, np.ndarray]:
+    return {
+        "big": rng.standard_normal(3000).astype(np.float32),  # 12 KB: direct calls of their own at 4 KiB chunks
+        "w": rng.standard_normal((40, 30)).astype(np.float32),
+        "h": rng.standard_normal(700).astype(np.float16),
+        "b": rng.standard_normal(9).astype(np.float32),
+        "t": rng.standard_normal((20, 30)).astype(np.float32),  # its gradient is a transposed (strided) view
+        "gone": rng.standard_normal(50).astype(np.float32),  # no gradient on rank 1
+    }
+
+
+@needs_gpu
+@pytest.mark.parametrize("aware", ["0", "1"])
+def test_cupy_reduce_is_bitwise_the_host_result(comm: MPI.Comm, aware: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Many calls per window (4 KiB chunks): direct and packed, float16, a strided gradient, a missing one, weight 0."""
+    if aware == "1" and not cuda.detect(comm)[0] and not getattr(cupy, "_mpidp_fake", False):
+        pytest.skip("this MPI is not CUDA-aware")
+    monkeypatch.setenv("MPIDP_CUDA_AWARE", aware)
+    cuda.select_device(comm)
+    rng = np.random.default_rng(7)
+    host = _mixed_set(rng)
+    grads_rng = np.random.default_rng(100 + comm.rank)
+    host_grads = {k: grads_rng.standard_normal(v.shape).astype(v.dtype) for k, v in host.items()}
+    host_grads["t"] = np.ascontiguousarray(host_grads["t"].T).T  # same values, Fortran order
+    if comm.rank == 1:
+        del host_grads["gone"]
+    weight = comm.rank  # rank 0 has weight 0: its gradients count as zeros
+    policy = mpidp.MissingGradientPolicy.ZERO
+
+    with mpidp.DataParallel.initialize({k: v.copy() for k, v in host.items()}, comm, chunk_bytes=4096) as ref:
+        expected = {k: np.array(v) for k, v in ref.reduce({k: g.copy(order="K") for k, g in host_grads.items()}, weight, policy).gradients.items()}
+
+    params = {k: cupy.asarray(v) for k, v in host.items()}
+    with mpidp.DataParallel.initialize(params, comm, chunk_bytes=4096) as dp:
+        assert dp.cuda_aware[0] is (aware == "1")
+        seen: list[tuple[str, int]] = []
+        staging = getattr(dp, "_staging", None)
+        dp._comm.comm = _Recording(dp._comm.comm, seen, staging.stream if staging is not None and getattr(cupy, "_mpidp_fake", False) else None)
+        grads = {}
+        for k, g in host_grads.items():
+            grads[k] = cupy.asarray(np.ascontiguousarray(g))
+        grads["t"] = cupy.asarray(np.ascontiguousarray(host_grads["t"].T)).T  # strided on the device too
+        assert not grads["t"].flags.c_contiguous
+        out = dp.reduce(grads, weight, policy).gradients
+        assert sorted(out) == sorted(expected)
+        for k, g in out.items():
+            assert isinstance(g, cupy.ndarray) and g.dtype == expected[k].dtype
+            assert cupy.asnumpy(g).tobytes() == np.ascontiguousarray(expected[k]).tobytes(), k
+        assert cupy.asnumpy(grads["t"]).tobytes() == np.ascontiguousarray(expected["t"]).tobytes()  # written back
+        assert len(seen) > 3, seen
+        if aware == "0":
+            # a device pointer never reaches an MPI that is not CUDA-aware
+            assert all(kind.startswith("numpy") for kind, _ in seen), seen
+            if getattr(cupy, "_mpidp_fake", False):  # the next call's copy down is queued behind each Allreduce
+                assert all(kind == "numpy+pending" for kind, _ in seen[:-1]), seen
+        else:
+            assert all(kind.startswith("cupy") for kind, _ in seen), seen
+
+
+@needs_gpu
+@pytest.mark.parametrize("aware", ["0", "1"])
+def test_cupy_initialize_broadcasts_in_many_calls(comm: MPI.Comm, aware: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    if aware == "1" and not cuda.detect(comm)[0] and not getattr(cupy, "_mpidp_fake", False):
+        pytest.skip("this MPI is not CUDA-aware")
+    monkeypatch.setenv("MPIDP_CUDA_AWARE", aware)
+    cuda.select_device(comm)
+    host = _mixed_set(np.random.default_rng(comm.rank))
+    params = {k: cupy.asarray(v) for k, v in host.items()}
+    params["t"] = cupy.asarray(np.ascontiguousarray(host["t"].T)).T
+    with mpidp.DataParallel.initialize(params, comm, chunk_bytes=4096) as dp:
+        root = comm.bcast(host, root=0)
+        for k in host:
+            assert cupy.asnumpy(params[k]).tobytes() == np.ascontiguousarray(root[k]).tobytes(), k
+        dp.verify_replicas()

@@ -131,3 +131,27 @@ def test_window_profile_runs_and_names_the_mpi_time() -> None:
     assert p.returncode == 0, p.stdout
     assert "tiny fp32 gradient_buffers, 2 ranks" in p.stdout and "ratio x" in p.stdout, p.stdout
     assert "comm.py" in p.stdout and "(Allreduce)" in p.stdout, p.stdout
+
+
+GPU_BENCH = ROOT / "benchmarks" / "gpu_bench.py"
+
+
+@pytest.mark.parametrize("aware", ["0", "1"])
+def test_gpu_benchmark_runs_on_the_cpu_stand_in(aware: str) -> None:
+    """``scripts/gpu-check``'s benchmark, on tests/fakegpu, so that a GPU session's first run is not its debugging run."""
+    env = clean_env(PYTHONPATH=str(ROOT / "tests" / "fakegpu"), MPIDP_CUDA_AWARE=aware)
+    try:
+        p = subprocess.run(
+            [MPIEXEC, "-n", "2", sys.executable, "-m", "mpi4py", str(GPU_BENCH), "--mib", "4", "--tensors", "8", "--reps", "2"],
+            check=False, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=TIMEOUT, env=env, cwd=ROOT,
+        )
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"the GPU benchmark did not finish in {TIMEOUT} s:\n{e.output}")
+    assert p.returncode == 0, p.stdout
+    lines = p.stdout.splitlines()
+    assert f"MPI: {'CUDA-aware' if aware == '1' else 'host-staged'} (MPIDP_CUDA_AWARE={aware})" in lines, p.stdout
+    assert "not GPU times" in p.stdout
+    for name in ("raw", "host", "mpidp"):
+        assert any(line.split()[:2] == [name, "median"] and float(line.split()[2]) > 0 for line in lines), (name, p.stdout)
+    for limit in ("raw", "host"):
+        assert any(line.strip().startswith(f"mpidp / {limit}:") for line in lines), p.stdout

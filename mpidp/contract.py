@@ -86,7 +86,9 @@ def build(params: Any, frozen: Any, device: str | None) -> Local:
         elif device is None:
             device = info.device if info.device == "cpu" else arrays.current_device(info.backend)
         if error is None and info.dtype == "bfloat16" and info.device.startswith("cuda"):
-            error = f"parameter {name!r}: bfloat16 GPU arrays are not supported yet (CuPy has no bfloat16)"
+            why = arrays.device_bfloat16_problem()
+            if why is not None:
+                error = f"parameter {name!r}: {why}"
         if error is None and info.device != device:
             error = f"parameter {name!r} is on {info.device}, but this rank's device is {device}"
         alias = first.setdefault(id(array), index)

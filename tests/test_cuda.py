@@ -74,7 +74,7 @@ def test_cupy_reduce_matches_numpy(comm: MPI.Comm, aware: str, monkeypatch: pyte
     rng = np.random.default_rng(comm.rank)
     host = {
         "w": rng.standard_normal((300, 70)).astype(np.float32),
-        "b": rng.standard_normal(9).astype(np.float16),  # CuPy has no bfloat16: initialize refuses it on a GPU
+        "b": rng.standard_normal(9).astype(np.float16),
     }
     params = {k: cupy.asarray(v) for k, v in host.items()}
     with mpidp.DataParallel.initialize(params, comm) as dp:
@@ -177,13 +177,13 @@ def _mixed_set(rng: np.random.Generator) -> dict[str, np.ndarray]:
         "b": rng.standard_normal(9).astype(np.float32),
         "t": rng.standard_normal((20, 30)).astype(np.float32),  # its gradient is a transposed (strided) view
         "gone": rng.standard_normal(50).astype(np.float32),  # no gradient on rank 1
-    }
+    } | ({} if mpidp.arrays.device_bfloat16_problem() else {"z": rng.standard_normal(1500).astype(mpidp.arrays.BFLOAT16)})
 
 
 @needs_gpu
 @pytest.mark.parametrize("aware", ["0", "1"])
 def test_cupy_reduce_is_bitwise_the_host_result(comm: MPI.Comm, aware: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Many calls per window (4 KiB chunks): direct and packed, float16, a strided gradient, a missing one, weight 0."""
+    """Many calls per window (4 KiB chunks): direct and packed, 16-bit, a strided gradient, a missing one, weight 0."""
     if aware == "1" and not cuda.detect(comm)[0] and not getattr(cupy, "_mpidp_fake", False):
         pytest.skip("this MPI is not CUDA-aware")
     monkeypatch.setenv("MPIDP_CUDA_AWARE", aware)
@@ -243,3 +243,19 @@ def test_cupy_initialize_broadcasts_in_many_calls(comm: MPI.Comm, aware: str, mo
         for k in host:
             assert cupy.asnumpy(params[k]).tobytes() == np.ascontiguousarray(root[k]).tobytes(), k
         dp.verify_replicas()
+
+
+@needs_gpu
+def test_bfloat16_gpu_arrays_without_device_casts_are_refused_on_every_rank(comm: MPI.Comm, monkeypatch: pytest.MonkeyPatch) -> None:
+    from conftest import same_error_everywhere
+
+    cuda.select_device(comm)
+    if comm.rank == comm.size - 1:  # as with CuPy 13, which has no bfloat16
+        monkeypatch.setattr(mpidp.arrays, "_DEVICE_BF16", ["bfloat16 GPU arrays need CuPy 14 or newer (probe failed)"])
+    params = {"w": cupy.zeros(3, dtype=cupy.float32), "z": cupy.asarray(np.zeros(4, dtype=mpidp.arrays.BFLOAT16))}
+    same_error_everywhere(
+        comm,
+        lambda: mpidp.DataParallel.initialize(params, comm),
+        mpidp.ContractError,
+        f"rank {comm.size - 1}: parameter 'z': bfloat16 GPU arrays need CuPy 14 or newer (probe failed)",
+    )

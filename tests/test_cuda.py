@@ -259,3 +259,49 @@ def test_bfloat16_gpu_arrays_without_device_casts_are_refused_on_every_rank(comm
         mpidp.ContractError,
         f"rank {comm.size - 1}: parameter 'z': bfloat16 GPU arrays need CuPy 14 or newer (probe failed)",
     )
+
+
+torch_gpu = None
+try:  # a CUDA build of PyTorch and a GPU: the adapter's CUDA path
+    import torch as torch_gpu  # type: ignore[no-redef]
+
+    if not torch_gpu.cuda.is_available():
+        torch_gpu = None
+except Exception:  # noqa: BLE001 - no torch, or no CUDA: skip
+    torch_gpu = None
+
+
+@pytest.mark.skipif(torch_gpu is None or cupy is None, reason="needs CuPy, a CUDA build of PyTorch and a GPU")
+@pytest.mark.parametrize("aware", ["0", "1"])
+def test_torch_cuda_module_is_reduced_bitwise_as_on_the_host(comm: MPI.Comm, aware: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """PyTorch CUDA tensors take the core's device path; the same gradients reduced on the CPU give the same bytes."""
+    import mpidp.torch
+
+    torch = torch_gpu
+    assert torch is not None
+    if aware == "1" and not cuda.detect(comm)[0]:
+        pytest.skip("this MPI is not CUDA-aware")
+    monkeypatch.setenv("MPIDP_CUDA_AWARE", aware)
+    device = cuda.select_device(comm)
+    half = torch.bfloat16 if mpidp.arrays.device_bfloat16_problem() is None else torch.float16
+
+    def model() -> Any:
+        torch.manual_seed(comm.rank)  # different on every rank: the broadcast makes them equal
+        m = torch.nn.Sequential(torch.nn.Linear(64, 48), torch.nn.Tanh(), torch.nn.Linear(48, 8))
+        m[2].to(half)
+        return m
+
+    host, gpu = model(), model().to(f"cuda:{device}")
+    with mpidp.torch.DataParallel(host, comm, chunk_bytes=4096) as ref, mpidp.torch.DataParallel(gpu, comm, chunk_bytes=4096) as dp:
+        for a, b in zip(host.parameters(), gpu.parameters()):
+            assert torch.equal(a, b.cpu())
+        torch.manual_seed(100 + comm.rank)
+        for p_host, p_gpu in zip(host.parameters(), gpu.parameters()):
+            g = torch.randn(p_host.shape).to(p_host.dtype)
+            (p_host * g).sum().float().backward()  # .grad = g, through the adapter's hooks
+            (p_gpu * g.to(p_gpu.device)).sum().float().backward()
+        assert ref.reduce(comm.rank + 1) == dp.reduce(comm.rank + 1)
+        torch.cuda.synchronize()
+        for (name, a), b in zip(host.named_parameters(), gpu.parameters()):
+            assert b.grad.dtype == a.grad.dtype and torch.equal(a.grad, b.grad.cpu()), name
+        dp.verify_replicas()

@@ -38,6 +38,7 @@ from . import cuda
 from .cuda import MemoryPointer
 
 _mpidp_fake = True
+__version__ = "0+fake"
 
 float16 = np.float16
 float32 = np.float32

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import itertools
 import numbers
@@ -104,11 +105,7 @@ class DataParallel:
                 self._stage = cupy.empty(chunk_bytes // 4, dtype=cupy.float32)
                 comm.use_device(cuda_aware[0], chunk_bytes)
                 if comm.pinned is not None:
-                    self._staging = Staging(
-                        (self._stage, cupy.empty(chunk_bytes // 4, dtype=cupy.float32)),
-                        (comm.pinned[0].view(np.float32), comm.pinned[1].view(np.float32)),
-                        cupy.cuda.Stream(non_blocking=True),
-                    )
+                    self._staging = Staging.create(self._stage, comm.pinned)
         #: contract indices of the trainable tie-group heads: one reduction slot each
         self._slots = tuple(i for i, e in enumerate(self._contract) if e.trainable and e.alias == i)
         slot_of_head = {head: s for s, head in enumerate(self._slots)}
@@ -518,7 +515,14 @@ class DataParallel:
         if len(self._plans) > 8:
             del self._plans[next(iter(self._plans))]
         try:
-            gradients = self._reduce(entry, local, views, names, prepared, weight, global_weight, label)
+            if self._device == "cpu":
+                gradients = self._reduce(entry, local, views, names, prepared, weight, global_weight, label)
+            else:
+                # the device work (zeros, contiguous copies, casts, streams and events) runs on the
+                # session's device whichever is current, after torch's queued writes to the gradients
+                arrays.wait_for_torch()
+                with self._on_device():
+                    gradients = self._reduce(entry, local, views, names, prepared, weight, global_weight, label)
         except CollectiveError as e:
             self._failed = str(e)
             self._program, self._accepted = None, {}  # a broken session holds no gradient arrays
@@ -655,8 +659,17 @@ class DataParallel:
 
     def zero_gradients(self) -> None:
         """Set every array of :meth:`gradient_buffers` to zero (local, one fill per dtype)."""
-        for flat in (self._flat or {}).values():
-            arrays.view(flat)[...] = 0
+        with self._on_device():
+            for flat in (self._flat or {}).values():
+                arrays.view(flat)[...] = 0
+
+    def _on_device(self) -> Any:
+        """A context in which the session's CUDA device is current (nothing for host sessions)."""
+        if self._device == "cpu":
+            return contextlib.nullcontext()
+        import cupy
+
+        return cupy.cuda.Device(int(self._device.split(":")[1]))
 
     # ------------------------------------------------------------- utilities
 

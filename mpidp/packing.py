@@ -324,12 +324,29 @@ class Staging(NamedTuple):
     """What the device loop needs when MPI is not CUDA-aware: device memory never reaches MPI.
 
     Two chunk-sized float32 stages on the device and two in pinned host
-    memory, used in turn, and the stream the copies between them run on.
+    memory, used in turn, the stream the copies between them run on, and
+    the events that order the streams (reused: a wait takes the event as it
+    was last recorded when the wait is queued).
     """
 
     stages: tuple[Any, Any]  # CuPy float32 arrays of one chunk each
     pinned: tuple[np.ndarray, np.ndarray]  # float32 host arrays of one chunk each, in pinned memory
     stream: Any  # a CuPy stream of the arrays' device (non-blocking: only events order it)
+    #: (copied down into pinned 0, copied down into pinned 1, packed, copied up): blocking (the
+    #: host sleeps instead of spinning while it waits) and without timing
+    events: tuple[Any, Any, Any, Any]
+
+    @classmethod
+    def create(cls, stage: Any, pinned: tuple[np.ndarray, np.ndarray]) -> Staging:
+        """Staging around the session's device stage, on the current device."""
+        import cupy
+
+        def event() -> Any:
+            return cupy.cuda.Event(block=True, disable_timing=True)
+
+        second = cupy.empty(stage.size, dtype=cupy.float32)
+        both = (pinned[0].view(np.float32), pinned[1].view(np.float32))
+        return cls((stage, second), both, cupy.cuda.Stream(non_blocking=True), (event(), event(), event(), event()))
 
 
 def reduce_calls(
@@ -386,6 +403,7 @@ def _reduce_device(
     for s in slots:
         if s is not None and s.original is not None:
             s.original[...] = s.flat.reshape(s.original.shape)
+    xp.cuda.get_current_stream().synchronize()  # the results are ready for any stream (torch's too) and the host
 
 
 def _reduce_staged(
@@ -413,14 +431,15 @@ def _reduce_staged(
 
     The current stream is synchronised at the end, so the results are
     ready for any stream and for the host when this returns, as with the
-    CUDA-aware loop.
+    CUDA-aware loop; so is the copy stream when a call fails, so that no
+    copy is left running into buffers that are given back. The caller makes
+    the arrays' device current and waits for torch's stream first.
     """
-    arrays.wait_for_torch()
     current = xp.cuda.get_current_stream()
     copies = staging.stream
+    down, packed, up = staging.events[:2], staging.events[2], staging.events[3]
     regions: list[Any] = [None] * len(calls)  # what call i sums: a direct region of the slots, or a stage
     staged = [False] * len(calls)
-    down: list[Any] = [None] * len(calls)  # event: call i is in its pinned buffer
 
     def copy_down(i: int) -> None:
         call = calls[i]
@@ -430,29 +449,35 @@ def _reduce_staged(
             for seg in call.segments:
                 region[seg.dst : seg.dst + seg.length] = slots[seg.slot].flat[seg.src : seg.src + seg.length]
         regions[i] = region
-        copies.wait_event(current.record())
+        current.record(packed)
+        copies.wait_event(packed)
         region.get(stream=copies, out=staging.pinned[i % 2][: call.length], blocking=False)
-        down[i] = copies.record()
+        copies.record(down[i % 2])
 
-    if calls:
-        copy_down(0)
-    for i, call in enumerate(calls):
-        if i + 1 < len(calls):
-            copy_down(i + 1)
-        host = staging.pinned[i % 2][: call.length]
-        down[i].synchronize()
-        allreduce(host)
-        region = regions[i]
-        region.set(host, stream=copies)
-        current.wait_event(copies.record())
-        xp.divide(region, scale, out=region)
-        if staged[i]:
-            for seg in call.segments:
-                slots[seg.slot].flat[seg.src : seg.src + seg.length] = region[seg.dst : seg.dst + seg.length]
-    for s in slots:
-        if s is not None and s.original is not None:
-            s.original[...] = s.flat.reshape(s.original.shape)
-    current.synchronize()
+    try:
+        if calls:
+            copy_down(0)
+        for i, call in enumerate(calls):
+            if i + 1 < len(calls):
+                copy_down(i + 1)  # buffers (i + 1) % 2: call i - 1's copy up and cast back are queued before
+            host = staging.pinned[i % 2][: call.length]
+            down[i % 2].synchronize()
+            allreduce(host)
+            region = regions[i]
+            region.set(host, stream=copies)
+            copies.record(up)
+            current.wait_event(up)
+            xp.divide(region, scale, out=region)
+            if staged[i]:
+                for seg in call.segments:
+                    slots[seg.slot].flat[seg.src : seg.src + seg.length] = region[seg.dst : seg.dst + seg.length]
+        for s in slots:
+            if s is not None and s.original is not None:
+                s.original[...] = s.flat.reshape(s.original.shape)
+        current.synchronize()
+    except BaseException:
+        copies.synchronize()
+        raise
 
 
 def bcast_calls(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import numpy as np
@@ -62,12 +63,14 @@ except Exception:  # noqa: BLE001 - no CuPy, no driver or no device: skip
     cupy = None
 
 needs_gpu = pytest.mark.skipif(cupy is None, reason="needs CuPy and a GPU")
+#: the CPU stand-in for CuPy (tests/fakegpu) is loaded instead of CuPy
+_FAKE = bool(getattr(cupy, "_mpidp_fake", False))
 
 
 @needs_gpu
 @pytest.mark.parametrize("aware", ["0", "1"])
 def test_cupy_reduce_matches_numpy(comm: MPI.Comm, aware: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    if aware == "1" and not cuda.detect(comm)[0] and not getattr(cupy, "_mpidp_fake", False):
+    if aware == "1" and not cuda.detect(comm)[0] and not _FAKE:
         pytest.skip("this MPI is not CUDA-aware")  # the fake CuPy's device memory is host memory: any MPI reads it
     monkeypatch.setenv("MPIDP_CUDA_AWARE", aware)
     device = cuda.select_device(comm)
@@ -184,7 +187,7 @@ def _mixed_set(rng: np.random.Generator) -> dict[str, np.ndarray]:
 @pytest.mark.parametrize("aware", ["0", "1"])
 def test_cupy_reduce_is_bitwise_the_host_result(comm: MPI.Comm, aware: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Many calls per window (4 KiB chunks): direct and packed, 16-bit, a strided gradient, a missing one, weight 0."""
-    if aware == "1" and not cuda.detect(comm)[0] and not getattr(cupy, "_mpidp_fake", False):
+    if aware == "1" and not cuda.detect(comm)[0] and not _FAKE:
         pytest.skip("this MPI is not CUDA-aware")
     monkeypatch.setenv("MPIDP_CUDA_AWARE", aware)
     cuda.select_device(comm)
@@ -206,23 +209,37 @@ def test_cupy_reduce_is_bitwise_the_host_result(comm: MPI.Comm, aware: str, monk
         assert dp.cuda_aware[0] is (aware == "1")
         seen: list[tuple[str, int]] = []
         staging = getattr(dp, "_staging", None)
-        dp._comm.comm = _Recording(dp._comm.comm, seen, staging.stream if staging is not None and getattr(cupy, "_mpidp_fake", False) else None)
+        dp._comm.comm = _Recording(dp._comm.comm, seen, staging.stream if staging is not None and _FAKE else None)
         grads = {}
         for k, g in host_grads.items():
             grads[k] = cupy.asarray(np.ascontiguousarray(g))
         grads["t"] = cupy.asarray(np.ascontiguousarray(host_grads["t"].T)).T  # strided on the device too
         assert not grads["t"].flags.c_contiguous
         out = dp.reduce(grads, weight, policy).gradients
+        if _FAKE:  # nothing is left queued: the results are ready for any stream and for the host
+            assert cupy.cuda.get_current_stream().done and (staging is None or staging.stream.done)
         assert sorted(out) == sorted(expected)
+        # the same MPI sums the same host buffers when staged: bitwise; a CUDA-aware MPI may add the
+        # ranks' values in another order on the device (the stand-in's is the host MPI)
+        bitwise = aware == "0" or _FAKE
         for k, g in out.items():
             assert isinstance(g, cupy.ndarray) and g.dtype == expected[k].dtype
-            assert cupy.asnumpy(g).tobytes() == np.ascontiguousarray(expected[k]).tobytes(), k
-        assert cupy.asnumpy(grads["t"]).tobytes() == np.ascontiguousarray(expected["t"]).tobytes()  # written back
+            if bitwise:
+                assert cupy.asnumpy(g).tobytes() == np.ascontiguousarray(expected[k]).tobytes(), k
+            else:
+                tol = {"float32": 1e-6, "float16": 1e-3, "bfloat16": 1e-2}[str(g.dtype)]
+                got, want = cupy.asnumpy(g).astype(np.float64), expected[k].astype(np.float64)
+                assert np.abs(got - want).max() <= tol * max(1.0, np.abs(want).max()), k
+        mine = {k: cupy.asnumpy(g).tobytes() for k, g in out.items()}
+        assert all(o == mine for o in comm.allgather(mine))  # bitwise equal on every rank, always
+        assert cupy.asnumpy(grads["t"]).tobytes() == mine["t"]  # written back into the strided gradient
         assert len(seen) > 3, seen
         if aware == "0":
             # a device pointer never reaches an MPI that is not CUDA-aware
             assert all(kind.startswith("numpy") for kind, _ in seen), seen
-            if getattr(cupy, "_mpidp_fake", False):  # the next call's copy down is queued behind each Allreduce
+            if _FAKE and os.environ.get("MPIDP_FAKE_SCHEDULE", "lazy") == "lazy":
+                # the next call's copy down is queued behind each Allreduce (the stand-in's default schedule
+                # runs queued work only when waited for; the random one may have run it already)
                 assert all(kind == "numpy+pending" for kind, _ in seen[:-1]), seen
         else:
             assert all(kind.startswith("cupy") for kind, _ in seen), seen
@@ -231,7 +248,7 @@ def test_cupy_reduce_is_bitwise_the_host_result(comm: MPI.Comm, aware: str, monk
 @needs_gpu
 @pytest.mark.parametrize("aware", ["0", "1"])
 def test_cupy_initialize_broadcasts_in_many_calls(comm: MPI.Comm, aware: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    if aware == "1" and not cuda.detect(comm)[0] and not getattr(cupy, "_mpidp_fake", False):
+    if aware == "1" and not cuda.detect(comm)[0] and not _FAKE:
         pytest.skip("this MPI is not CUDA-aware")
     monkeypatch.setenv("MPIDP_CUDA_AWARE", aware)
     cuda.select_device(comm)
@@ -305,3 +322,28 @@ def test_torch_cuda_module_is_reduced_bitwise_as_on_the_host(comm: MPI.Comm, awa
         for (name, a), b in zip(host.named_parameters(), gpu.parameters()):
             assert b.grad.dtype == a.grad.dtype and torch.equal(a.grad, b.grad.cpu()), name
         dp.verify_replicas()
+
+
+@needs_gpu
+def test_reduce_runs_on_the_sessions_device_whichever_is_current(comm: MPI.Comm, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A session on GPU 1 reduced while GPU 0 is current: zeros, copies, casts, streams and events stay on GPU 1."""
+    if cupy.cuda.runtime.getDeviceCount() < 2:
+        pytest.skip("needs two GPUs")
+    monkeypatch.setenv("MPIDP_CUDA_AWARE", "0")
+    rng = np.random.default_rng(3)
+    host = {"w": rng.standard_normal(3000).astype(np.float32), "h": rng.standard_normal(50).astype(np.float16), "gone": np.ones(7, np.float32)}
+    grads_host = {k: np.random.default_rng(comm.rank).standard_normal(v.shape).astype(v.dtype) for k, v in host.items() if k != "gone"}
+    with mpidp.DataParallel.initialize(dict(host), comm, chunk_bytes=4096) as ref:
+        expected = ref.reduce({k: v.copy() for k, v in grads_host.items()}, 2, mpidp.MissingGradientPolicy.ZERO).gradients
+    with cupy.cuda.Device(1):
+        params = {k: cupy.asarray(v) for k, v in host.items()}
+        dp = mpidp.DataParallel.initialize(params, comm, chunk_bytes=4096)
+        grads = {k: cupy.asarray(v) for k, v in grads_host.items()}
+    with dp:
+        cupy.cuda.Device(0).use()
+        out = dp.reduce(grads, 2, mpidp.MissingGradientPolicy.ZERO).gradients
+        assert cupy.cuda.runtime.getDevice() == 0  # the caller's device is current again
+        for k, g in out.items():
+            assert g.device.id == 1, k
+            assert cupy.asnumpy(g).tobytes() == expected[k].tobytes(), k
+        dp.zero_gradients()

@@ -87,3 +87,37 @@ def test_views_share_one_allocation(fake: Any) -> None:
     b = fake.ndarray((2,), np.float32, fake.cuda.MemoryPointer(fake.cuda.UnownedMemory(a.data.ptr + 8, 8, a, a.device.id), 0))
     b[...] = 4
     assert fake.asnumpy(a)[:4].tolist() == [0, 0, 4, 4]
+
+
+def test_a_wait_takes_the_event_as_recorded_when_it_is_queued(fake: Any) -> None:
+    current = fake.cuda.get_current_stream()
+    copies = fake.cuda.Stream(non_blocking=True)
+    a = fake.zeros(2, dtype=np.float32)
+    event = fake.cuda.Event(block=True, disable_timing=True)
+    current.record(event)
+    copies.wait_event(event)
+    a += 1
+    current.record(event)  # re-recorded after the wait was queued: the wait does not cover this
+    pinned = np.frombuffer(fake.cuda.alloc_pinned_memory(8), dtype=np.float32, count=2)
+    a.get(stream=copies, out=pinned, blocking=False)
+    copies.synchronize()
+    assert pinned.tolist() == [0, 0]  # the copy ran before the increment: nothing ordered it after
+    current.synchronize()
+
+
+def test_devices_are_checked(fake: Any) -> None:
+    with fake.cuda.Device(1):
+        a = fake.zeros(3, dtype=np.float32)
+        stream = fake.cuda.Stream(non_blocking=True)
+        event = fake.cuda.Event()
+    assert a.device.id == 1 and fake.cuda.runtime.getDevice() == 0
+    with pytest.raises(ValueError, match=r"resides \(1\) is different from the current device \(0\)"):
+        a += 1
+    assert fake.empty_like(a).device.id == 0  # on the current device, as CuPy's
+    with pytest.raises(RuntimeError, match="cudaErrorInvalidResourceHandle"):
+        event.record(fake.cuda.get_current_stream())
+    with pytest.raises(RuntimeError, match="cudaErrorInvalidResourceHandle"):
+        fake.zeros(3, dtype=np.float32).get(stream=stream)
+    with pytest.raises(RuntimeError, match="belongs to device 1"), stream:
+        pass
+    assert fake.asnumpy(a).tolist() == [0, 0, 0]  # a copy on the default stream works from any device

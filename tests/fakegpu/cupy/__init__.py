@@ -22,6 +22,15 @@ GPU emulator; it is a strict model of the rules that GPU code gets wrong:
 * **Streams do not order each other implicitly** (as streams created with
   ``non_blocking=True``): only events do. Code that is correct here is
   correct with CuPy's blocking streams too, which only add ordering.
+  ``MPIDP_FAKE_SCHEDULE=random:SEED`` also lets queued work run early: each
+  time work is queued, the first queued operation of a random stream runs
+  with probability 1/2 (what it waits for first), another legal schedule,
+  the one where work that should have waited for an event and did not
+  shows.
+* **Devices are checked** (``MPIDP_FAKE_GPUS`` of them, default 2): a kernel
+  on an array of another device than the current one raises, as CuPy does
+  without peer access; so do a copy on a stream of another device and an
+  event recorded on one. Each device has its own current stream.
 
 ``cupy._mpidp_fake`` is True, so that tests can tell.
 """
@@ -132,7 +141,7 @@ class ndarray:
             "data": (self.data.ptr if a.size else 0, False),
             "version": 3,
             "strides": None if a.flags.c_contiguous else a.strides,
-            "stream": cuda.get_current_stream().ptr,
+            "stream": cuda.get_current_stream().ptr or 1,  # the legacy default stream is 1 in version 3
         }
 
     def __array__(self, *args: Any, **kwargs: Any) -> np.ndarray:
@@ -179,12 +188,12 @@ class ndarray:
                 raise ValueError("non-scalar numpy.ndarray cannot be used for fill")
             value = value.item()
         source = value
-        cuda._enqueue(lambda: target.__setitem__(Ellipsis, _value(source)))
+        cuda._kernel(lambda: target.__setitem__(Ellipsis, _value(source)), self, source)
 
     def copy(self, order: str = "C") -> ndarray:
         out = empty(self.shape, self.dtype)
         src = self._a
-        cuda._enqueue(lambda: out._a.__setitem__(Ellipsis, src))
+        cuda._kernel(lambda: out._a.__setitem__(Ellipsis, src), self)
         return out
 
     def astype(self, dtype: Any, order: str = "K", casting: Any = None, subok: Any = None, copy: bool = True) -> ndarray:
@@ -192,7 +201,7 @@ class ndarray:
             return self
         out = empty(self.shape, dtype)
         src = self._a
-        cuda._enqueue(lambda: out._a.__setitem__(Ellipsis, src))
+        cuda._kernel(lambda: out._a.__setitem__(Ellipsis, src), self)
         return out
 
     def fill(self, value: Any) -> None:
@@ -246,7 +255,7 @@ class ndarray:
     # ----------------------------------------------------------- copies to and from the host
     def get(self, stream: cuda.Stream | None = None, order: str = "C", out: np.ndarray | None = None, blocking: bool = True) -> np.ndarray:
         """Copy to the host on ``stream`` (default: current); wait for it unless ``blocking=False``."""
-        stream = stream or cuda.get_current_stream()
+        stream = cuda._copy_stream(stream, self)
         if out is None:
             out = np.empty(self.shape, self.dtype)
         else:
@@ -276,7 +285,7 @@ class ndarray:
             raise TypeError(f"{arr.dtype} array cannot be set to {self.dtype} array")
         if not self._a.flags.c_contiguous:
             raise RuntimeError("Cannot set to non-contiguous array")
-        stream = stream or cuda.get_current_stream()
+        stream = cuda._copy_stream(stream, self)
         src = arr if cuda._is_pinned(arr) else np.array(arr, copy=True)  # pageable: staged by the driver at once
         dst = self._a
         stream._enqueue(lambda: dst.__setitem__(Ellipsis, src))
@@ -309,7 +318,7 @@ def _ufunc(op: Callable[..., Any], *args: Any, out: ndarray | None = None, dtype
         raise TypeError("out must be a cupy.ndarray")
     target = out._a
     kwargs = {} if dtype is None else {"dtype": dtype}
-    cuda._enqueue(lambda: op(*[_value(a) for a in args], out=target, casting="unsafe", **kwargs))
+    cuda._kernel(lambda: op(*[_value(a) for a in args], out=target, casting="unsafe", **kwargs), out, *args)
     return out
 
 
@@ -318,7 +327,7 @@ def _reduction(op: Callable[..., Any], a: ndarray, axis: Any, dt: Any) -> ndarra
     shape = np.asarray(op(np.zeros(a.shape, a.dtype), axis=axis, **({"dtype": dt} if dt else {}))).shape if a.size else probe.shape
     out = empty(shape, probe.dtype)
     src = a._a
-    cuda._enqueue(lambda: out._a.__setitem__(Ellipsis, op(src, axis=axis, **({"dtype": dt} if dt else {}))))
+    cuda._kernel(lambda: out._a.__setitem__(Ellipsis, op(src, axis=axis, **({"dtype": dt} if dt else {}))), a)
     return out
 
 
@@ -357,10 +366,10 @@ def arange(*args: Any, dtype: Any = None) -> ndarray:
 
 
 def empty_like(a: ndarray, dtype: Any = None, order: str = "K", shape: Any = None) -> ndarray:
+    """On the current device, as CuPy's (not the prototype's)."""
     if order not in ("C", "K", "A"):
         raise NotImplementedError("the fake CuPy makes C-order arrays only")
-    with cuda.Device(a.data.device_id):
-        return empty(a.shape if shape is None else shape, a.dtype if dtype is None else dtype)
+    return empty(a.shape if shape is None else shape, a.dtype if dtype is None else dtype)
 
 
 def zeros_like(a: ndarray, dtype: Any = None, order: str = "K", shape: Any = None) -> ndarray:

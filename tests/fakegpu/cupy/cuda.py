@@ -10,6 +10,7 @@ import collections
 import ctypes
 import itertools
 import os
+import random
 import threading
 import weakref
 from collections.abc import Callable
@@ -145,8 +146,22 @@ def _is_pinned(a: np.ndarray) -> bool:
     return any(start <= lo and hi <= end for _, start, end in _pinned)
 
 
+_schedule = os.environ.get("MPIDP_FAKE_SCHEDULE", "lazy")
+_random = random.Random(int(_schedule.split(":", 1)[1]) if _schedule.startswith("random:") else 0)
+
+
+def _progress() -> None:
+    """Under the random schedule, maybe run the first queued operation of a random stream."""
+    if not _schedule.startswith("random") or _random.random() < 0.5:
+        return
+    busy = [s for s in list(_streams) if s._ops and not s._running]
+    if busy:
+        stream = _random.choice(busy)
+        stream._run(stream._ops[0][0])
+
+
 class Stream:
-    """An in-order queue of device work; it runs when waited for."""
+    """An in-order queue of device work of one device; it runs when waited for."""
 
     null: Stream
 
@@ -160,6 +175,7 @@ class Stream:
     def _enqueue(self, fn: Callable[[], Any]) -> int:
         seq = next(_seq)
         self._ops.append((seq, fn))
+        _progress()
         return seq
 
     def _run(self, upto: int | None = None) -> None:
@@ -188,40 +204,62 @@ class Stream:
         return event
 
     def wait_event(self, event: Event) -> None:
-        """Work queued on this stream from now on runs after ``event``'s work."""
-        self._enqueue(event.synchronize)
+        """Work queued on this stream from now on runs after ``event``'s work as recorded now (a later record does not count)."""
+        stream, seq = event._stream, event._seq
+        if stream is not None:
+            self._enqueue(lambda: stream._run(seq))
 
     def use(self) -> Stream:
-        _local.stream = self
+        if not hasattr(_local, "current"):
+            _local.current = {}
+        _local.current[self.device_id] = self
         return self
 
     def __enter__(self) -> Stream:  # noqa: PYI034 - Self needs Python 3.11
+        if self.device_id != _current_id():
+            raise RuntimeError(f"This stream belongs to device {self.device_id}, but the current device is {_current_id()}")
         if not hasattr(_local, "streams"):
             _local.streams = []
         _local.streams.append(get_current_stream())
-        _local.stream = self
+        self.use()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        _local.stream = _local.streams.pop()
+        _local.streams.pop().use()
 
     def __repr__(self) -> str:
         return f"<fake Stream {self.ptr:#x}>"
 
 
-Stream.null = Stream(null=True)
+_nulls: dict[int, Stream] = {}
+
+
+def _null(device: int) -> Stream:
+    """Each device's legacy default stream."""
+    if device not in _nulls:
+        with Device(device):
+            _nulls[device] = Stream(null=True)
+    return _nulls[device]
+
+
+Stream.null = _null(0)
 
 
 class Event:
-    """A point in one stream's queue."""
+    """A point in one stream's queue, of the device current when it was made."""
 
     def __init__(self, block: bool = False, disable_timing: bool = False, interprocess: bool = False) -> None:
         self._stream: Stream | None = None
         self._seq = 0
+        self.device_id = _current_id()
 
     def record(self, stream: Stream | None = None) -> None:
-        self._stream = stream if stream is not None else get_current_stream()
-        self._seq = self._stream._enqueue(lambda: None)
+        stream = stream if stream is not None else get_current_stream()
+        if stream.device_id != self.device_id:
+            raise RuntimeError("cudaErrorInvalidResourceHandle: an event of device "
+                               f"{self.device_id} recorded on a stream of device {stream.device_id}")
+        self._stream = stream
+        self._seq = stream._enqueue(lambda: None)
 
     def synchronize(self) -> None:
         if self._stream is not None:
@@ -233,12 +271,32 @@ class Event:
 
 
 def get_current_stream(device_id: int = -1) -> Stream:
-    return getattr(_local, "stream", None) or Stream.null
+    device = _current_id() if device_id < 0 else device_id
+    return getattr(_local, "current", {}).get(device) or _null(device)
 
 
-def _enqueue(fn: Callable[[], Any]) -> None:
-    """Queue a kernel on the current stream."""
+def _kernel(fn: Callable[[], Any], *operands: Any) -> None:
+    """Queue a kernel on the current stream; its device arrays must be on the current device."""
+    device = _current_id()
+    for a in operands:
+        data = getattr(a, "data", None)
+        if isinstance(data, MemoryPointer) and data.device_id != device:
+            raise ValueError(
+                f"The device where the array resides ({data.device_id}) is different from the current device ({device}). "
+                "Peer access is unavailable between these devices."
+            )
     get_current_stream()._enqueue(fn)
+
+
+def _copy_stream(stream: Stream | None, a: Any) -> Stream:
+    """The stream a copy of ``a`` runs on: CuPy's current one by default, which must be of ``a``'s device
+    unless it is the legacy default stream (handle 0 means the copying device's own)."""
+    stream = stream or get_current_stream()
+    if stream.ptr == 0:
+        return _null(a.data.device_id)
+    if stream.device_id != a.data.device_id:
+        raise RuntimeError(f"cudaErrorInvalidResourceHandle: a copy of device {a.data.device_id} on a stream of device {stream.device_id}")
+    return stream
 
 
 class memory:

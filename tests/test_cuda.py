@@ -67,12 +67,20 @@ needs_gpu = pytest.mark.skipif(cupy is None, reason="needs CuPy and a GPU")
 _FAKE = bool(getattr(cupy, "_mpidp_fake", False))
 
 
+@pytest.fixture(params=["0", "1"])
+def aware(request: pytest.FixtureRequest, comm: MPI.Comm, monkeypatch: pytest.MonkeyPatch) -> str:
+    """``MPIDP_CUDA_AWARE`` for the test: "0" stages through host memory, "1" hands MPI device buffers.
+
+    "1" needs a CUDA-aware MPI, or the stand-in, whose device memory any MPI reads.
+    """
+    if request.param == "1" and not cuda.detect(comm)[0] and not _FAKE:
+        pytest.skip("this MPI is not CUDA-aware")
+    monkeypatch.setenv("MPIDP_CUDA_AWARE", request.param)
+    return str(request.param)
+
+
 @needs_gpu
-@pytest.mark.parametrize("aware", ["0", "1"])
-def test_cupy_reduce_matches_numpy(comm: MPI.Comm, aware: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    if aware == "1" and not cuda.detect(comm)[0] and not _FAKE:
-        pytest.skip("this MPI is not CUDA-aware")  # the fake CuPy's device memory is host memory: any MPI reads it
-    monkeypatch.setenv("MPIDP_CUDA_AWARE", aware)
+def test_cupy_reduce_matches_numpy(comm: MPI.Comm, aware: str) -> None:
     device = cuda.select_device(comm)
     rng = np.random.default_rng(comm.rank)
     host = {
@@ -184,12 +192,8 @@ def _mixed_set(rng: np.random.Generator) -> dict[str, np.ndarray]:
 
 
 @needs_gpu
-@pytest.mark.parametrize("aware", ["0", "1"])
-def test_cupy_reduce_is_bitwise_the_host_result(comm: MPI.Comm, aware: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cupy_reduce_is_bitwise_the_host_result(comm: MPI.Comm, aware: str) -> None:
     """Many calls per window (4 KiB chunks): direct and packed, 16-bit, a strided gradient, a missing one, weight 0."""
-    if aware == "1" and not cuda.detect(comm)[0] and not _FAKE:
-        pytest.skip("this MPI is not CUDA-aware")
-    monkeypatch.setenv("MPIDP_CUDA_AWARE", aware)
     cuda.select_device(comm)
     rng = np.random.default_rng(7)
     host = _mixed_set(rng)
@@ -246,11 +250,7 @@ def test_cupy_reduce_is_bitwise_the_host_result(comm: MPI.Comm, aware: str, monk
 
 
 @needs_gpu
-@pytest.mark.parametrize("aware", ["0", "1"])
-def test_cupy_initialize_broadcasts_in_many_calls(comm: MPI.Comm, aware: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    if aware == "1" and not cuda.detect(comm)[0] and not _FAKE:
-        pytest.skip("this MPI is not CUDA-aware")
-    monkeypatch.setenv("MPIDP_CUDA_AWARE", aware)
+def test_cupy_initialize_broadcasts_in_many_calls(comm: MPI.Comm, aware: str) -> None:
     cuda.select_device(comm)
     host = _mixed_set(np.random.default_rng(comm.rank))
     params = {k: cupy.asarray(v) for k, v in host.items()}
@@ -289,16 +289,12 @@ except Exception:  # noqa: BLE001 - no torch, or no CUDA: skip
 
 
 @pytest.mark.skipif(torch_gpu is None or cupy is None, reason="needs CuPy, a CUDA build of PyTorch and a GPU")
-@pytest.mark.parametrize("aware", ["0", "1"])
-def test_torch_cuda_module_is_reduced_bitwise_as_on_the_host(comm: MPI.Comm, aware: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_torch_cuda_module_is_reduced_bitwise_as_on_the_host(comm: MPI.Comm, aware: str) -> None:
     """PyTorch CUDA tensors take the core's device path; the same gradients reduced on the CPU give the same bytes."""
     import mpidp.torch
 
     torch = torch_gpu
     assert torch is not None
-    if aware == "1" and not cuda.detect(comm)[0]:
-        pytest.skip("this MPI is not CUDA-aware")
-    monkeypatch.setenv("MPIDP_CUDA_AWARE", aware)
     device = cuda.select_device(comm)
     half = torch.bfloat16 if mpidp.arrays.device_bfloat16_problem() is None else torch.float16
 

@@ -445,6 +445,11 @@ class DataParallel:
         self._again = False
         try:
             error = self._check_replica() or self._check_gradients(grads, local, views, names, prepared)
+            if error is None and self._device != "cpu":
+                # torch's queued writes to the gradients are done before any device work of the window
+                # (and a CUDA error it reports is this rank's error, agreed, not a raise on one rank)
+                with self._on_device():
+                    arrays.wait_for_torch()
         except Exception as e:  # noqa: BLE001 - reported to every rank, never raised alone
             self._again = False
             local, views, names, prepared = [None] * n, [None] * n, [None] * n, [None] * n
@@ -519,8 +524,7 @@ class DataParallel:
                 gradients = self._reduce(entry, local, views, names, prepared, weight, global_weight, label)
             else:
                 # the device work (zeros, contiguous copies, casts, streams and events) runs on the
-                # session's device whichever is current, after torch's queued writes to the gradients
-                arrays.wait_for_torch()
+                # session's device whichever is current
                 with self._on_device():
                     gradients = self._reduce(entry, local, views, names, prepared, weight, global_weight, label)
         except CollectiveError as e:

@@ -343,3 +343,28 @@ def test_reduce_runs_on_the_sessions_device_whichever_is_current(comm: MPI.Comm,
             assert g.device.id == 1, k
             assert cupy.asnumpy(g).tobytes() == expected[k].tobytes(), k
         dp.zero_gradients()
+
+
+@needs_gpu
+def test_a_cuda_error_from_torchs_stream_is_an_error_on_every_rank(comm: MPI.Comm, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Waiting for torch's stream can report an earlier asynchronous CUDA fault: agreed, not raised on one rank."""
+    from conftest import same_error_everywhere
+
+    cuda.select_device(comm)
+    params = {"w": cupy.zeros(6, dtype=cupy.float32)}
+    with mpidp.DataParallel.initialize(params, comm) as dp:
+        if comm.rank == comm.size - 1:
+
+            def fault() -> None:
+                raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+            monkeypatch.setattr(mpidp.arrays, "wait_for_torch", fault)
+        grads = {"w": cupy.ones(6, dtype=cupy.float32)}
+        same_error_everywhere(
+            comm, lambda: dp.reduce(grads, 1), mpidp.ContractError,
+            f"rank {comm.size - 1}: could not read the gradients: RuntimeError: CUDA error: an illegal memory access",
+        )
+        assert float(grads["w"].sum()) == 6.0  # untouched
+        monkeypatch.undo()
+        cuda.select_device(comm)
+        assert float(dp.reduce(grads, 1).gradients["w"].sum()) == 6.0  # the session still works

@@ -81,6 +81,8 @@ class DataParallel:
         watchdog: guard.Watchdog | None,
         cuda_aware: tuple[bool, str],
         root: int,
+        stage: Any,
+        staging: Staging | None,
     ) -> None:
         self._comm = comm
         self._params = params
@@ -95,17 +97,9 @@ class DataParallel:
         self._root = root
         self._chunk_bytes = chunk_bytes
         self._watchdog = watchdog
-        self._stage: Any = np.empty(chunk_bytes // 4, dtype=np.float32)
+        self._stage: Any = stage  # one chunk of float32: host memory, or device memory for device arrays
         #: the host-staged reduce pipeline's buffers and copy stream (device arrays, MPI not CUDA-aware)
-        self._staging: Staging | None = None
-        if self._device != "cpu":  # upcast, scale and downcast on the device
-            import cupy
-
-            with cupy.cuda.Device(int(self._device.split(":")[1])):
-                self._stage = cupy.empty(chunk_bytes // 4, dtype=cupy.float32)
-                comm.use_device(cuda_aware[0], chunk_bytes)
-                if comm.pinned is not None:
-                    self._staging = Staging.create(self._stage, comm.pinned)
+        self._staging = staging
         #: contract indices of the trainable tie-group heads: one reduction slot each
         self._slots = tuple(i for i, e in enumerate(self._contract) if e.trainable and e.alias == i)
         slot_of_head = {head: s for s, head in enumerate(self._slots)}
@@ -213,6 +207,13 @@ class DataParallel:
             if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, numbers.Integral) or chunk_bytes < 4096:
                 error = error or f"chunk_bytes must be an integer of at least 4096, got {chunk_bytes!r}"
                 chunk_bytes = 0
+            stage: Any = None
+            staging: Staging | None = None
+            if error is None:  # before the ranks agree: a rank that cannot allocate them is an error on every rank
+                try:
+                    stage, staging = _chunk_buffers(c, local.device, int(chunk_bytes) // 4 * 4, aware[0])
+                except Exception as e:  # noqa: BLE001 - reported to every rank, never raised alone
+                    error = f"could not allocate the chunk buffers (chunk_bytes={chunk_bytes}, {local.device}): {type(e).__name__}: {e}"
             runs = _runs(local) if error is None else None
             record = (tuple(tuple(e) for e in local.contract), int(root), int(chunk_bytes) // 4 * 4, error, _on_host(local), runs)
             records = c.allgather_obj(record)
@@ -229,7 +230,7 @@ class DataParallel:
                     raise ContractError(f"rank {rank} broadcasts from root {r}, rank 0 from root {head[1]}")
                 if chunk != head[2]:
                     raise ContractError(f"rank {rank} uses chunk_bytes={chunk}, rank 0 chunk_bytes={head[2]}")
-            self = cls(c, params, local, int(chunk_bytes) // 4 * 4, watchdog, aware, int(root))
+            self = cls(c, params, local, int(chunk_bytes) // 4 * 4, watchdog, aware, int(root), stage, staging)
             # calls above chunk_bytes, and small calls of their own, only where no rank stages device memory
             # through its chunk-sized pinned buffer; whole memory runs (flat_parameters) only where every rank
             # has the same runs. Agreed facts only: every rank must build the same calls.
@@ -736,6 +737,23 @@ class DataParallel:
     def __exit__(self, *exc: object) -> None:
         """Close the session (collective, like :meth:`close`)."""
         self.close()
+
+
+def _chunk_buffers(comm: Communicator, device: str, chunk_bytes: int, cuda_aware: bool) -> tuple[Any, Staging | None]:
+    """Allocate a session's chunk-sized buffers (local): the float32 stage, and for device arrays the staging.
+
+    Host arrays get a host stage. Device arrays get a device stage (the casts and scaling run on the
+    device) and, where MPI is not CUDA-aware, the communicator's pinned buffers and the reduce
+    pipeline's second stage, copy stream and events.
+    """
+    if device == "cpu":
+        return np.empty(chunk_bytes // 4, dtype=np.float32), None
+    import cupy
+
+    with cupy.cuda.Device(int(device.split(":")[1])):
+        stage = cupy.empty(chunk_bytes // 4, dtype=cupy.float32)
+        comm.use_device(cuda_aware, chunk_bytes)
+        return stage, Staging.create(stage, comm.pinned) if comm.pinned is not None else None
 
 
 def _on_host(local: contract.Local) -> bool:

@@ -479,6 +479,30 @@ def test_initialize_refuses_ranks_disagreeing_on_chunk_bytes(comm: MPI.Comm) -> 
     )
 
 
+def test_initialize_agrees_on_a_rank_that_cannot_allocate_its_chunk_buffers(comm: MPI.Comm, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An allocation that fails on one rank (memory is a local fact) is an error on every rank, not a raise on one."""
+    chunk = 1 << 20
+    if comm.rank == comm.size - 1:
+        real = np.empty
+
+        def empty(shape: Any, *args: Any, **kwargs: Any) -> Any:
+            if shape == chunk // 4:
+                raise MemoryError(f"Unable to allocate {chunk} bytes for an array with shape ({shape},)")
+            return real(shape, *args, **kwargs)
+
+        monkeypatch.setattr(np, "empty", empty)
+    params = model(comm.rank)
+    before = snapshot(params)
+    same_error_everywhere(
+        comm, lambda: mpidp.DataParallel.initialize(params, comm, chunk_bytes=chunk), ContractError,
+        f"rank {comm.size - 1}: could not allocate the chunk buffers (chunk_bytes={chunk}, cpu): MemoryError: Unable to allocate",
+    )
+    monkeypatch.undo()
+    assert snapshot(params) == before
+    with mpidp.DataParallel.initialize(params, comm, chunk_bytes=chunk):  # nothing was left half made
+        pass
+
+
 @pytest.mark.mpi(min_size=2)
 def test_initialize_refuses_ranks_disagreeing_on_root(comm: MPI.Comm) -> None:
     root = 1 if comm.rank == comm.size - 1 else 0

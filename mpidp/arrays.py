@@ -6,6 +6,7 @@ torch or cupy: a backend is recognised by the module its type comes from.
 
 from __future__ import annotations
 
+import functools
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -130,10 +131,7 @@ def current_device(backend: str) -> str:
     return f"cuda:{cupy.cuda.runtime.getDevice()}"
 
 
-#: the answer of :func:`device_bfloat16_problem`, once per process
-_DEVICE_BF16: list[str | None] = []
-
-
+@functools.cache
 def device_bfloat16_problem() -> str | None:
     """Say why CuPy cannot cast bfloat16 on the current device as the host does, or None (local).
 
@@ -144,27 +142,25 @@ def device_bfloat16_problem() -> str | None:
     are what the results of host arrays are defined by. It runs once per
     process.
     """
-    if not _DEVICE_BF16:
-        answer: str | None = None
-        try:
-            import cupy
+    answer: str | None = None
+    try:
+        import cupy
 
-            wide = np.array([1.5, -2.0, 1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8), 3.0e38, 2**-130], dtype=np.float32)
-            narrow = cupy.asarray(wide.astype(BFLOAT16))
-            up = cupy.empty(wide.size, dtype=cupy.float32)
-            up[...] = narrow  # the upcast into the stage, as the reduction does it
-            down = cupy.empty(wide.size, dtype=BFLOAT16)
-            down[...] = cupy.asarray(wide)  # the cast back
-            if up.get().tobytes() != wide.astype(BFLOAT16).astype(np.float32).tobytes():
-                answer = "CuPy's bfloat16 to float32 cast differs from ml_dtypes' on this device"
-            elif down.get().tobytes() != wide.astype(BFLOAT16).tobytes():
-                answer = "CuPy's float32 to bfloat16 cast does not round to nearest even as ml_dtypes does on this device"
-        except Exception as e:  # noqa: BLE001 - any failure means: not supported here
-            answer = f"{type(e).__name__}: {e}"
-        if answer is not None:
-            answer = f"bfloat16 GPU arrays need CuPy 14 or newer with ml_dtypes, whose device casts agree with the host's ({answer})"
-        _DEVICE_BF16.append(answer)
-    return _DEVICE_BF16[0]
+        wide = np.array([1.5, -2.0, 1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8), 3.0e38, 2**-130], dtype=np.float32)
+        narrow = cupy.asarray(wide.astype(BFLOAT16))
+        up = cupy.empty(wide.size, dtype=cupy.float32)
+        up[...] = narrow  # the upcast into the stage, as the reduction does it
+        down = cupy.empty(wide.size, dtype=BFLOAT16)
+        down[...] = cupy.asarray(wide)  # the cast back
+        if up.get().tobytes() != wide.astype(BFLOAT16).astype(np.float32).tobytes():
+            answer = "CuPy's bfloat16 to float32 cast differs from ml_dtypes' on this device"
+        elif down.get().tobytes() != wide.astype(BFLOAT16).tobytes():
+            answer = "CuPy's float32 to bfloat16 cast does not round to nearest even as ml_dtypes does on this device"
+    except Exception as e:  # noqa: BLE001 - any failure means: not supported here
+        answer = f"{type(e).__name__}: {e}"
+    if answer is None:
+        return None
+    return f"bfloat16 GPU arrays need CuPy 14 or newer with ml_dtypes, whose device casts agree with the host's ({answer})"
 
 
 def wait_for_torch() -> None:

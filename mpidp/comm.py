@@ -70,15 +70,15 @@ class Communicator:
     def _device(self, buf: Any, move: Any) -> None:
         """Run ``move(buffer)`` on device array ``buf``: directly, or through the pinned host stage.
 
-        CuPy's current stream (and PyTorch's, when torch has initialized
-        CUDA) is synchronised first, so MPI never reads memory a kernel is
-        still writing; a device pointer never reaches an MPI that is not
+        CuPy's current stream is synchronised first, and the callers have
+        waited for PyTorch's (:meth:`Bcast` here, ``reduce`` once per window),
+        so MPI never reads memory a kernel is still writing; a device
+        pointer never reaches an MPI that is not
         CUDA-aware. The copy back from the pinned stage is waited for before
         the stage is reused or the result handed back.
         """
         import cupy
 
-        arrays.wait_for_torch()
         stream = cupy.cuda.get_current_stream()
         stream.synchronize()
         if self.cuda_aware:
@@ -142,6 +142,7 @@ class Communicator:
             if isinstance(buf, np.ndarray):
                 self.comm.Bcast(buf, root)
             else:
+                arrays.wait_for_torch()  # (reduce waits for torch's stream once per window, before its checks)
                 self._device(buf, lambda b: self.comm.Bcast(b, root))
         except MPI.Exception as e:
             raise self._fail(operation, e) from e

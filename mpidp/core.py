@@ -521,13 +521,9 @@ class DataParallel:
         if len(self._plans) > 8:
             del self._plans[next(iter(self._plans))]
         try:
-            if self._device == "cpu":
+            # device work (zeros, contiguous copies, casts, streams and events) runs on the session's device
+            with self._on_device():
                 gradients = self._reduce(entry, local, views, names, prepared, weight, global_weight, label)
-            else:
-                # the device work (zeros, contiguous copies, casts, streams and events) runs on the
-                # session's device whichever is current
-                with self._on_device():
-                    gradients = self._reduce(entry, local, views, names, prepared, weight, global_weight, label)
         except CollectiveError as e:
             self._failed = str(e)
             self._program, self._accepted = None, {}  # a broken session holds no gradient arrays

@@ -320,6 +320,25 @@ def run_steps(work: Sequence[Step], allreduce: Callable[[np.ndarray], None], sca
             _unpack(dst, piece, op, operand, scratch)
 
 
+def _gather(buf: Any, call: Call, slots: Sequence[Any]) -> None:
+    """Copy (and upcast) a packed call's segments from their slots into ``buf`` (device arrays)."""
+    for seg in call.segments:
+        buf[seg.dst : seg.dst + seg.length] = slots[seg.slot].flat[seg.src : seg.src + seg.length]
+
+
+def _scatter(buf: Any, call: Call, slots: Sequence[Any]) -> None:
+    """Copy (and cast back) a packed call's segments from ``buf`` into their slots (device arrays)."""
+    for seg in call.segments:
+        slots[seg.slot].flat[seg.src : seg.src + seg.length] = buf[seg.dst : seg.dst + seg.length]
+
+
+def _write_back(slots: Sequence[Any]) -> None:
+    """Copy every temporary contiguous slot back into the strided array it stands for."""
+    for s in slots:
+        if s is not None and s.original is not None:
+            s.original[...] = s.flat.reshape(s.original.shape)
+
+
 class Staging(NamedTuple):
     """What the device loop needs when MPI is not CUDA-aware: device memory never reaches MPI.
 
@@ -373,9 +392,7 @@ def reduce_calls(
             _reduce_device(calls, slots, stage, allreduce, np.float32(scale), xp)
         return
     run_steps(steps(calls, slots, stage), allreduce, scale)
-    for s in slots:
-        if s is not None and s.original is not None:
-            s.original[...] = s.flat.reshape(s.original.shape)
+    _write_back(slots)
 
 
 def _reduce_device(
@@ -394,15 +411,11 @@ def _reduce_device(
             xp.divide(region, scale, out=region)
             continue
         buf = stage[: call.length]
-        for seg in call.segments:
-            buf[seg.dst : seg.dst + seg.length] = slots[seg.slot].flat[seg.src : seg.src + seg.length]
+        _gather(buf, call, slots)
         allreduce(buf)
         xp.divide(buf, scale, out=buf)
-        for seg in call.segments:
-            slots[seg.slot].flat[seg.src : seg.src + seg.length] = buf[seg.dst : seg.dst + seg.length]
-    for s in slots:
-        if s is not None and s.original is not None:
-            s.original[...] = s.flat.reshape(s.original.shape)
+        _scatter(buf, call, slots)
+    _write_back(slots)
     xp.cuda.get_current_stream().synchronize()  # the results are ready for any stream (torch's too) and the host
 
 
@@ -446,8 +459,7 @@ def _reduce_staged(
         region: Any = _direct(call, slots, 4)
         if region is None:
             region, staged[i] = staging.stages[i % 2][: call.length], True
-            for seg in call.segments:
-                region[seg.dst : seg.dst + seg.length] = slots[seg.slot].flat[seg.src : seg.src + seg.length]
+            _gather(region, call, slots)
         regions[i] = region
         current.record(packed)
         copies.wait_event(packed)
@@ -469,11 +481,8 @@ def _reduce_staged(
             current.wait_event(up)
             xp.divide(region, scale, out=region)
             if staged[i]:
-                for seg in call.segments:
-                    slots[seg.slot].flat[seg.src : seg.src + seg.length] = region[seg.dst : seg.dst + seg.length]
-        for s in slots:
-            if s is not None and s.original is not None:
-                s.original[...] = s.flat.reshape(s.original.shape)
+                _scatter(region, call, slots)
+        _write_back(slots)
         current.synchronize()
     except BaseException:
         copies.synchronize()
@@ -502,6 +511,4 @@ def bcast_calls(
             for seg in call.segments:
                 slots[seg.slot].flat.view(np.uint8)[seg.src : seg.src + seg.length] = buf[seg.dst : seg.dst + seg.length]
     if not is_root:
-        for s in slots:
-            if s is not None and s.original is not None:
-                s.original[...] = s.flat.reshape(s.original.shape)
+        _write_back(slots)

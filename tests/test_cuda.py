@@ -268,7 +268,7 @@ def test_bfloat16_gpu_arrays_without_device_casts_are_refused_on_every_rank(comm
 
     cuda.select_device(comm)
     if comm.rank == comm.size - 1:  # as with CuPy 13, which has no bfloat16
-        monkeypatch.setattr(mpidp.arrays, "_DEVICE_BF16", ["bfloat16 GPU arrays need CuPy 14 or newer (probe failed)"])
+        monkeypatch.setattr(mpidp.arrays, "device_bfloat16_problem", lambda: "bfloat16 GPU arrays need CuPy 14 or newer (probe failed)")
     params = {"w": cupy.zeros(3, dtype=cupy.float32), "z": cupy.asarray(np.zeros(4, dtype=mpidp.arrays.BFLOAT16))}
     same_error_everywhere(
         comm,

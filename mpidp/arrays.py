@@ -6,14 +6,13 @@ torch or cupy: a backend is recognised by the module its type comes from.
 
 from __future__ import annotations
 
+import ctypes
 import functools
-import sys
 from dataclasses import dataclass
 from typing import Any
 
 import ml_dtypes
 import numpy as np
-from mpi4py import MPI
 
 __all__ = ["BFLOAT16", "FLOATING", "ArrayInfo", "describe", "empty_like", "fingerprint", "flat_zeros", "view", "zeros_like"]
 
@@ -163,17 +162,6 @@ def device_bfloat16_problem() -> str | None:
     return f"bfloat16 GPU arrays need CuPy 14 or newer with ml_dtypes, whose device casts agree with the host's ({answer})"
 
 
-def wait_for_torch() -> None:
-    """Wait for PyTorch's current CUDA stream, if this process uses torch on a GPU (local).
-
-    Gradients computed by torch are written on torch's stream; device work
-    and MPI that read them must not start before it is done.
-    """
-    torch = sys.modules.get("torch")
-    if torch is not None and torch.cuda.is_initialized():
-        torch.cuda.current_stream().synchronize()
-
-
 def view(x: Any) -> Any:
     """Return a NumPy (host) or CuPy (device) array sharing ``x``'s memory.
 
@@ -248,14 +236,20 @@ def xp(v: Any) -> Any:
     return cupy
 
 
+_char = ctypes.c_char
+
+
 def address(v: Any) -> int:
     """Return the address of a view's first element."""
     if isinstance(v, np.ndarray):
-        if v.flags.c_contiguous:
-            return MPI.buffer(v).address  # the buffer protocol: about 6x cheaper than __array_interface__
+        flags = v.flags
+        if flags.c_contiguous and flags.writeable and v.dtype.isbuiltin == 1:  # what ctypes can take as a buffer
+            return ctypes.addressof(_char.from_buffer(v))  # type: ignore[arg-type]  # 3x cheaper than __array_interface__
         return int(v.__array_interface__["data"][0])
     return int(v.data.ptr)
 
 
-def is_c_contiguous(v: Any) -> bool:
-    return bool(v.flags.c_contiguous)
+def host_region(start: int, nbytes: int, dtype: Any = np.uint8) -> np.ndarray:
+    """A host array over ``nbytes`` of memory at address ``start``, owned by whoever owns that memory."""
+    raw: Any = (_char * nbytes).from_address(start)
+    return np.frombuffer(raw, dtype=dtype)

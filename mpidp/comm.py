@@ -1,7 +1,11 @@
-"""The only module that calls MPI: pickled records, small fixed buffers, Bcast, Allreduce.
+"""The only module that calls MPI on the host: pickled records, small fixed buffers, Bcast, Allreduce.
 
 Lowercase methods move pickled objects; capitalised ones move buffers.
-Every method is collective: every rank of the communicator must call it.
+Every method of :class:`Communicator` is collective: every rank of the
+communicator must call it. Which device buffers may reach MPI, and when,
+is :mod:`mpidp.cuda`'s decision; this module hands over what it is given.
+The module functions (:func:`duplicate`, :func:`world`, :func:`abort`)
+are how the rest of mpidp reaches MPI otherwise.
 """
 
 from __future__ import annotations
@@ -9,15 +13,14 @@ from __future__ import annotations
 import io
 import pickle
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 from mpi4py import MPI
 
-from . import arrays
 from .errors import CollectiveError, ContractError
 
-__all__ = ["Communicator", "loads"]
+__all__ = ["Communicator", "World", "abort", "duplicate", "loads", "world"]
 
 
 class _PlainUnpickler(pickle.Unpickler):
@@ -35,8 +38,9 @@ def loads(data: bytes) -> Any:
 class Communicator:
     """A private duplicate of the user's communicator; library traffic never matches user traffic.
 
-    ``watch`` is an optional callable ``watch(operation)`` returning a context
-    manager; the collective watchdog uses it to see where a rank waits.
+    :attr:`operation` names the collective this rank is in (None when none)
+    and :attr:`since` when it entered it: the collective watchdog reads them
+    to see where a rank waits.
     """
 
     def __init__(self, comm: MPI.Comm) -> None:
@@ -49,47 +53,6 @@ class Communicator:
         self.size: int = self.comm.Get_size()
         self.operation: str | None = None  # the collective this rank is in, if any
         self.since = 0.0
-        self.cuda_aware = False
-        #: two chunk-sized buffers of pinned host memory, to stage device buffers through
-        self.pinned: tuple[np.ndarray, np.ndarray] | None = None
-
-    def use_device(self, cuda_aware: bool, chunk_bytes: int) -> None:
-        """Prepare for device buffers: hand them to MPI directly, or stage them through pinned host memory.
-
-        Call it with the arrays' device current. Not CUDA-aware: allocates
-        :attr:`pinned` (the reduce pipeline uses both, :meth:`Bcast` the first).
-        """
-        self.cuda_aware = cuda_aware
-        if not cuda_aware and self.pinned is None:
-            import cupy
-
-            memory = cupy.cuda.alloc_pinned_memory(2 * chunk_bytes)
-            both = np.frombuffer(memory, dtype=np.uint8, count=2 * chunk_bytes)
-            self.pinned = (both[:chunk_bytes], both[chunk_bytes:])
-
-    def _device(self, buf: Any, move: Any) -> None:
-        """Run ``move(buffer)`` on device array ``buf``: directly, or through the pinned host stage.
-
-        CuPy's current stream is synchronised first, and the callers have
-        waited for PyTorch's (:meth:`Bcast` here, ``reduce`` once per window),
-        so MPI never reads memory a kernel is still writing; a device
-        pointer never reaches an MPI that is not
-        CUDA-aware. The copy back from the pinned stage is waited for before
-        the stage is reused or the result handed back.
-        """
-        import cupy
-
-        stream = cupy.cuda.get_current_stream()
-        stream.synchronize()
-        if self.cuda_aware:
-            move(buf)
-            return
-        assert self.pinned is not None, "use_device() was not called"
-        host = self.pinned[0][: buf.nbytes].view(buf.dtype)
-        buf.get(out=host)
-        move(host)
-        buf.set(host)
-        stream.synchronize()
 
     def close(self) -> None:
         """Free the duplicate communicator (collective)."""
@@ -124,7 +87,7 @@ class Communicator:
             raise ContractError(f"a rank sent a record that is not plain data: {e}") from e
 
     def Allgather(self, record: np.ndarray, operation: str) -> np.ndarray:
-        """Gather one small fixed-size uint64 record per rank into a ``(size, n)`` array."""
+        """Gather one small fixed-size record per rank into a ``(size, n)`` array."""
         out = np.empty((self.size, record.size), dtype=record.dtype)
         self._enter(operation)
         try:
@@ -136,32 +99,52 @@ class Communicator:
         return out
 
     def Bcast(self, buf: Any, root: int, operation: str = "Bcast") -> None:
-        """Broadcast host or device array ``buf`` from ``root`` in place."""
+        """Broadcast buffer ``buf`` from ``root`` in place (host memory, or device memory MPI may read)."""
         self._enter(operation)
         try:
-            if isinstance(buf, np.ndarray):
-                self.comm.Bcast(buf, root)
-            else:
-                arrays.wait_for_torch()  # (reduce waits for torch's stream once per window, before its checks)
-                self._device(buf, lambda b: self.comm.Bcast(b, root))
+            self.comm.Bcast(buf, root)
         except MPI.Exception as e:
             raise self._fail(operation, e) from e
         finally:
             self.operation = None
 
     def Allreduce(self, buf: Any, operation: str = "Allreduce") -> None:
-        """Sum a float32 buffer (host or device) over all ranks in place."""
+        """Sum float32 buffer ``buf`` over all ranks in place (host memory, or device memory MPI may read)."""
         self._enter(operation)
         try:
-            if isinstance(buf, np.ndarray):
-                self.comm.Allreduce(MPI.IN_PLACE, buf, MPI.SUM)
-            else:
-                self._device(buf, lambda b: self.comm.Allreduce(MPI.IN_PLACE, b, MPI.SUM))
+            self.comm.Allreduce(MPI.IN_PLACE, buf, MPI.SUM)
         except MPI.Exception as e:
             raise self._fail(operation, e) from e
         finally:
             self.operation = None
 
-    def Abort(self, code: int = 1) -> None:
-        """Abort every process of the job (not only this communicator's)."""
+
+def duplicate(comm: Any) -> Communicator:
+    """Duplicate the user's mpi4py communicator (None: ``COMM_WORLD``); collective on it.
+
+    Raises TypeError, locally, when ``comm`` is not an mpi4py communicator.
+    """
+    if comm is None:
+        comm = MPI.COMM_WORLD
+    if not isinstance(comm, MPI.Comm):
+        raise TypeError(f"comm must be an mpi4py communicator, got {type(comm).__name__}")
+    return Communicator(comm)
+
+
+class World(NamedTuple):
+    """What the launch checks need to know about the job (local; no communication)."""
+
+    rank: int  # in COMM_WORLD
+    size: int  # of COMM_WORLD
+    library: str  # MPI_Get_library_version
+
+
+def world() -> World:
+    """This process's place in ``COMM_WORLD`` and the MPI library's version (local)."""
+    return World(MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size(), MPI.Get_library_version())
+
+
+def abort(code: int = 1) -> None:
+    """Abort every process of the job (``COMM_WORLD``), if MPI is running; else return."""
+    if MPI.Is_initialized() and not MPI.Is_finalized():
         MPI.COMM_WORLD.Abort(code)

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from mpi4py import MPI
 
 from . import arrays, contract, cuda, guard, launch
+from . import comm as _mpi
 from .comm import Communicator
 from .errors import CollectiveError, ContractError
 from .packing import (
@@ -25,7 +25,6 @@ from .packing import (
     DEFAULT_CHUNK_BYTES,
     Call,
     Slot,
-    Staging,
     Step,
     bcast_calls,
     plan,
@@ -82,7 +81,7 @@ class DataParallel:
         cuda_aware: tuple[bool, str],
         root: int,
         stage: Any,
-        staging: Staging | None,
+        device: cuda.Device | None,
     ) -> None:
         self._comm = comm
         self._params = params
@@ -98,8 +97,8 @@ class DataParallel:
         self._chunk_bytes = chunk_bytes
         self._watchdog = watchdog
         self._stage: Any = stage  # one chunk of float32: host memory, or device memory for device arrays
-        #: the host-staged reduce pipeline's buffers and copy stream (device arrays, MPI not CUDA-aware)
-        self._staging = staging
+        #: the device's buffers and transfers (device arrays), else None
+        self._gpu = device
         #: contract indices of the trainable tie-group heads: one reduction slot each
         self._slots = tuple(i for i, e in enumerate(self._contract) if e.trainable and e.alias == i)
         slot_of_head = {head: s for s, head in enumerate(self._slots)}
@@ -143,7 +142,7 @@ class DataParallel:
     def initialize(
         cls,
         params: Mapping[str, Any],
-        comm: MPI.Comm | None = None,
+        comm: Any = None,
         root: int = 0,
         frozen: Any = (),
         *,
@@ -171,11 +170,9 @@ class DataParallel:
         Raises ContractError on every rank if any rank's replica is invalid
         or differs from another's; nothing is modified then.
         """
-        if comm is None:
-            comm = MPI.COMM_WORLD
-        if not isinstance(comm, MPI.Comm):
-            raise TypeError(f"comm must be an mpi4py communicator, got {type(comm).__name__}")
-        warning = launch.check_world(MPI.COMM_WORLD.Get_size(), MPI.Get_library_version())
+        c = _mpi.duplicate(comm)
+        world = _mpi.world()
+        warning = launch.check_world(world.size, world.library)
         if warning is not None:
             warnings.warn(warning, launch.LaunchWarning, stacklevel=2)
         setup_error: str | None = None
@@ -183,7 +180,6 @@ class DataParallel:
             timeout = guard.resolve_timeout(timeout)
         except ValueError as e:
             setup_error, timeout = str(e), None
-        c = Communicator(comm)
         watchdog = guard.Watchdog(c, timeout) if timeout else None
         try:
             try:
@@ -208,10 +204,10 @@ class DataParallel:
                 error = error or f"chunk_bytes must be an integer of at least 4096, got {chunk_bytes!r}"
                 chunk_bytes = 0
             stage: Any = None
-            staging: Staging | None = None
+            gpu: cuda.Device | None = None
             if error is None:  # before the ranks agree: a rank that cannot allocate them is an error on every rank
                 try:
-                    stage, staging = _chunk_buffers(c, local.device, int(chunk_bytes) // 4 * 4, aware[0])
+                    stage, gpu = _chunk_buffers(local.device, int(chunk_bytes) // 4 * 4, aware[0])
                 except Exception as e:  # noqa: BLE001 - reported to every rank, never raised alone
                     error = f"could not allocate the chunk buffers (chunk_bytes={chunk_bytes}, {local.device}): {type(e).__name__}: {e}"
             runs = _runs(local) if error is None else None
@@ -230,7 +226,7 @@ class DataParallel:
                     raise ContractError(f"rank {rank} broadcasts from root {r}, rank 0 from root {head[1]}")
                 if chunk != head[2]:
                     raise ContractError(f"rank {rank} uses chunk_bytes={chunk}, rank 0 chunk_bytes={head[2]}")
-            self = cls(c, params, local, int(chunk_bytes) // 4 * 4, watchdog, aware, int(root), stage, staging)
+            self = cls(c, params, local, int(chunk_bytes) // 4 * 4, watchdog, aware, int(root), stage, gpu)
             # calls above chunk_bytes, and small calls of their own, only where no rank stages device memory
             # through its chunk-sized pinned buffer; whole memory runs (flat_parameters) only where every rank
             # has the same runs. Agreed facts only: every rank must build the same calls.
@@ -248,7 +244,7 @@ class DataParallel:
             c.close()
             raise
         if c.size > 1:  # the latest session decides, for the process
-            guard.install_abort_hook(MPI.COMM_WORLD.Get_rank(), bool(abort_on_exception))
+            guard.install_abort_hook(world.rank, bool(abort_on_exception))
         return self
 
     def _broadcast(
@@ -266,7 +262,12 @@ class DataParallel:
             slots = [slot(_region(heads, run)) for run in runs]
         calls = plan([s.flat.nbytes for s in slots], [True] * len(slots), self._chunk_bytes, split, own)
         label = "initialize: Bcast"
-        bcast_calls(calls, slots, self._stage.view(np.uint8), lambda b: self._comm.Bcast(b, root, label), self.rank == root)
+        gpu, comm = self._gpu, self._comm
+        if gpu is None:
+            bcast: Any = lambda b: comm.Bcast(b, root, label)
+        else:
+            bcast = lambda b: gpu.bcast(comm, b, root, label)
+        bcast_calls(calls, slots, self._stage.view(np.uint8), bcast, self.rank == root)
 
     # --------------------------------------------------------------- accessors
 
@@ -450,7 +451,7 @@ class DataParallel:
                 # torch's queued writes to the gradients are done before any device work of the window
                 # (and a CUDA error it reports is this rank's error, agreed, not a raise on one rank)
                 with self._on_device():
-                    arrays.wait_for_torch()
+                    cuda.wait_for_torch()
         except Exception as e:  # noqa: BLE001 - reported to every rank, never raised alone
             self._again = False
             local, views, names, prepared = [None] * n, [None] * n, [None] * n, [None] * n
@@ -618,7 +619,10 @@ class DataParallel:
             self._program = (entry, self._accepted_serial, work, dict(out))
             run_steps(work, allreduce, global_weight)
             return out
-        reduce_calls(calls, slots, self._stage, allreduce, global_weight, self._staging)
+        if self._gpu is None:
+            reduce_calls(calls, slots, self._stage, allreduce, global_weight)
+        else:
+            self._gpu.reduce_calls(self._comm, calls, slots, global_weight, label)
         return out
 
     # ------------------------------------------------- flat gradient storage
@@ -666,11 +670,7 @@ class DataParallel:
 
     def _on_device(self) -> Any:
         """A context in which the session's CUDA device is current (nothing for host sessions)."""
-        if self._device == "cpu":
-            return contextlib.nullcontext()
-        import cupy
-
-        return cupy.cuda.Device(int(self._device.split(":")[1]))
+        return contextlib.nullcontext() if self._gpu is None else self._gpu.current()
 
     # ------------------------------------------------------------- utilities
 
@@ -735,21 +735,16 @@ class DataParallel:
         self.close()
 
 
-def _chunk_buffers(comm: Communicator, device: str, chunk_bytes: int, cuda_aware: bool) -> tuple[Any, Staging | None]:
-    """Allocate a session's chunk-sized buffers (local): the float32 stage, and for device arrays the staging.
+def _chunk_buffers(device: str, chunk_bytes: int, cuda_aware: bool) -> tuple[Any, cuda.Device | None]:
+    """Allocate a session's chunk-sized buffers (local): the float32 stage, and for device arrays the device's.
 
     Host arrays get a host stage. Device arrays get a device stage (the casts and scaling run on the
-    device) and, where MPI is not CUDA-aware, the communicator's pinned buffers and the reduce
-    pipeline's second stage, copy stream and events.
+    device) and, where MPI is not CUDA-aware, the pinned staging of :class:`mpidp.cuda.Device`.
     """
     if device == "cpu":
         return np.empty(chunk_bytes // 4, dtype=np.float32), None
-    import cupy
-
-    with cupy.cuda.Device(int(device.split(":")[1])):
-        stage = cupy.empty(chunk_bytes // 4, dtype=cupy.float32)
-        comm.use_device(cuda_aware, chunk_bytes)
-        return stage, Staging.create(stage, comm.pinned) if comm.pinned is not None else None
+    gpu = cuda.Device(device, cuda_aware, chunk_bytes)
+    return gpu.stage, gpu
 
 
 def _on_host(local: contract.Local) -> bool:
@@ -894,5 +889,4 @@ def _region(heads: list[Any], run: tuple[int, ...]) -> np.ndarray:
     """A uint8 view of the memory of one run (positions into ``heads``, in address order)."""
     first = arrays.view(heads[run[0]])
     nbytes = sum(arrays.view(heads[k]).nbytes for k in run)
-    raw: Any = MPI.buffer.fromaddress(arrays.address(first), nbytes)
-    return np.frombuffer(raw, dtype=np.uint8)
+    return arrays.host_region(arrays.address(first), nbytes)

@@ -1,4 +1,4 @@
-"""Abort the MPI job on an uncaught exception; an opt-in collective watchdog."""
+"""Abort the MPI job on an uncaught exception; an opt-in collective watchdog (MPI through :mod:`mpidp.comm`)."""
 
 from __future__ import annotations
 
@@ -9,12 +9,9 @@ import sys
 import threading
 import time
 from types import TracebackType
-from typing import TYPE_CHECKING
 
-from mpi4py import MPI
-
-if TYPE_CHECKING:
-    from .comm import Communicator
+from . import comm as _mpi
+from .comm import Communicator
 
 __all__ = ["Watchdog", "install_abort_hook", "resolve_timeout", "timeout_from_env"]
 
@@ -54,8 +51,7 @@ def install_abort_hook(rank: int, enabled: bool = True) -> None:
             # let the launcher forward the traceback before the abort tears the job down (mpiexec
             # drops what it has not read yet); measured: without it the tail is lost now and then
             time.sleep(_FORWARD_SECONDS)
-            if MPI.Is_initialized() and not MPI.Is_finalized():
-                MPI.COMM_WORLD.Abort(1)
+            _mpi.abort(1)
 
     sys.excepthook = hook
     _installed = True
@@ -128,4 +124,4 @@ class Watchdog:
             sys.stderr.flush()
             # let the other waiting ranks print their own report before the job goes down
             time.sleep(min(2.0, self.timeout / 2))
-            MPI.COMM_WORLD.Abort(1)
+            _mpi.abort(1)

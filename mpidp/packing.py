@@ -16,14 +16,16 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
-from mpi4py import MPI
 
 from . import arrays
 
-__all__ = ["BCAST_OWN_BYTES", "BCAST_SPLIT_BYTES", "DEFAULT_CHUNK_BYTES", "TORCH_CASTS", "Call", "Segment", "Slot", "Staging", "Step", "bcast_calls", "plan", "reduce_calls", "run_steps", "slot", "steps"]
+__all__ = [
+    "BCAST_OWN_BYTES", "BCAST_SPLIT_BYTES", "DEFAULT_CHUNK_BYTES", "TORCH_CASTS", "Call", "Segment", "Slot", "Step",
+    "bcast_calls", "direct", "plan", "reduce_calls", "run_steps", "slot", "steps", "write_back",
+]
 
-#: Default chunk size in bytes. Measured with benchmarks/chunks.py on the
-#: 2-core development machine (MPICH 5.0.2 wheel): 1-4 MiB chunks reach the
+#: Default chunk size in bytes. Measured with the chunk sweeps of
+#: benchmarks/bench.py on the 2-core development machine (MPICH 5.0.2 wheel): 1-4 MiB chunks reach the
 #: raw Allreduce limit; calls of 32 MiB and more page-fault MPICH's
 #: temporary buffer on every call.
 DEFAULT_CHUNK_BYTES = 4 << 20
@@ -105,16 +107,11 @@ def slot(v: Any) -> Slot:
         flat, original = v.reshape(-1), None
     else:
         flat, original = arrays.xp(v).ascontiguousarray(v).reshape(-1), v
-    if not flat.size:
-        address = 0
-    elif isinstance(flat, np.ndarray):
-        address = MPI.buffer(flat).address  # the buffer protocol: 7x cheaper than __array_interface__
-    else:
-        address = arrays.address(flat)
+    address = arrays.address(flat) if flat.size else 0
     return Slot(flat, address, flat.itemsize, flat.dtype == np.float32, original)
 
 
-def _direct(call: Call, slots: Sequence[Any], itemsize: int) -> np.ndarray | None:
+def direct(call: Call, slots: Sequence[Any], itemsize: int) -> np.ndarray | None:
     """Return the contiguous region holding the whole call, or None if it must be staged."""
     first = call.segments[0]
     s = slots[first.slot]
@@ -138,8 +135,7 @@ def _direct(call: Call, slots: Sequence[Any], itemsize: int) -> np.ndarray | Non
         end += seg.length * itemsize
     dtype = np.uint8 if itemsize == 1 else np.float32
     if host:
-        raw: Any = MPI.buffer.fromaddress(start, end - start)
-        return np.frombuffer(raw, dtype=dtype)
+        return arrays.host_region(start, end - start, dtype)
     import cupy
 
     memory = cupy.cuda.UnownedMemory(start, end - start, s.flat, s.flat.device.id)
@@ -292,7 +288,7 @@ def steps(calls: Sequence[Call], slots: Sequence[Any], stage: np.ndarray) -> tup
     """
     out: list[Step] = []
     for call in calls:
-        region = _direct(call, slots, 4)
+        region = direct(call, slots, 4)
         if region is not None:
             out.append(Step(region, ()))
             continue
@@ -320,52 +316,11 @@ def run_steps(work: Sequence[Step], allreduce: Callable[[np.ndarray], None], sca
             _unpack(dst, piece, op, operand, scratch)
 
 
-def _gather(buf: Any, call: Call, slots: Sequence[Any]) -> None:
-    """Copy (and upcast) a packed call's segments from their slots into ``buf`` (device arrays)."""
-    for seg in call.segments:
-        buf[seg.dst : seg.dst + seg.length] = slots[seg.slot].flat[seg.src : seg.src + seg.length]
-
-
-def _scatter(buf: Any, call: Call, slots: Sequence[Any]) -> None:
-    """Copy (and cast back) a packed call's segments from ``buf`` into their slots (device arrays)."""
-    for seg in call.segments:
-        slots[seg.slot].flat[seg.src : seg.src + seg.length] = buf[seg.dst : seg.dst + seg.length]
-
-
-def _write_back(slots: Sequence[Any]) -> None:
+def write_back(slots: Sequence[Any]) -> None:
     """Copy every temporary contiguous slot back into the strided array it stands for."""
     for s in slots:
         if s is not None and s.original is not None:
             s.original[...] = s.flat.reshape(s.original.shape)
-
-
-class Staging(NamedTuple):
-    """What the device loop needs when MPI is not CUDA-aware: device memory never reaches MPI.
-
-    Two chunk-sized float32 stages on the device and two in pinned host
-    memory, used in turn, the stream the copies between them run on, and
-    the events that order the streams (reused: a wait takes the event as it
-    was last recorded when the wait is queued).
-    """
-
-    stages: tuple[Any, Any]  # CuPy float32 arrays of one chunk each
-    pinned: tuple[np.ndarray, np.ndarray]  # float32 host arrays of one chunk each, in pinned memory
-    stream: Any  # a CuPy stream of the arrays' device (non-blocking: only events order it)
-    #: (copied down into pinned 0, copied down into pinned 1, packed, copied up): blocking (the
-    #: host sleeps instead of spinning while it waits) and without timing
-    events: tuple[Any, Any, Any, Any]
-
-    @classmethod
-    def create(cls, stage: Any, pinned: tuple[np.ndarray, np.ndarray]) -> Staging:
-        """Staging around the session's device stage, on the current device."""
-        import cupy
-
-        def event() -> Any:
-            return cupy.cuda.Event(block=True, disable_timing=True)
-
-        second = cupy.empty(stage.size, dtype=cupy.float32)
-        both = (pinned[0].view(np.float32), pinned[1].view(np.float32))
-        return cls((stage, second), both, cupy.cuda.Stream(non_blocking=True), (event(), event(), event(), event()))
 
 
 def reduce_calls(
@@ -374,119 +329,16 @@ def reduce_calls(
     stage: np.ndarray,
     allreduce: Callable[[np.ndarray], None],
     scale: float,
-    staging: Staging | None = None,
 ) -> None:
-    """Sum every call over all ranks, divide by ``float32(scale)`` and leave the result in the slots.
+    """Sum every call over all ranks, divide by ``float32(scale)`` and leave the result in the slots (host arrays).
 
     Results are bitwise those of upcasting to float32, summing, dividing by
     ``scale`` in float32 and casting back with NumPy / ml_dtypes. Extra host
     memory: at most one sub-block of scratch (256 KiB) beside ``stage``.
-    Device arrays with ``staging`` go through the host-staged pipeline
-    (:func:`_reduce_staged`); ``allreduce`` then gets host arrays only.
+    Device arrays go through :func:`mpidp.cuda.reduce_calls`.
     """
-    xp = arrays.xp(stage)  # numpy for host arrays, cupy for device arrays (cast and scale on the device)
-    if xp is not np:
-        if staging is not None:
-            _reduce_staged(calls, slots, staging, allreduce, np.float32(scale), xp)
-        else:
-            _reduce_device(calls, slots, stage, allreduce, np.float32(scale), xp)
-        return
     run_steps(steps(calls, slots, stage), allreduce, scale)
-    _write_back(slots)
-
-
-def _reduce_device(
-    calls: Sequence[Call],
-    slots: Sequence[Any],
-    stage: Any,
-    allreduce: Callable[[Any], None],
-    scale: np.float32,
-    xp: Any,
-) -> None:
-    """:func:`reduce_calls` for device (CuPy) arrays: cast and scale on the device."""
-    for call in calls:
-        region = _direct(call, slots, 4)
-        if region is not None:
-            allreduce(region)
-            xp.divide(region, scale, out=region)
-            continue
-        buf = stage[: call.length]
-        _gather(buf, call, slots)
-        allreduce(buf)
-        xp.divide(buf, scale, out=buf)
-        _scatter(buf, call, slots)
-    _write_back(slots)
-    xp.cuda.get_current_stream().synchronize()  # the results are ready for any stream (torch's too) and the host
-
-
-def _reduce_staged(
-    calls: Sequence[Call],
-    slots: Sequence[Any],
-    staging: Staging,
-    allreduce: Callable[[np.ndarray], None],
-    scale: np.float32,
-    xp: Any,
-) -> None:
-    """:func:`reduce_calls` for device arrays and an MPI that is not CUDA-aware: a two-deep pipeline.
-
-    Call ``i`` is packed (upcast) into device stage ``i % 2``, or is a direct
-    region of the gradients, and copied down into pinned buffer ``i % 2`` on
-    the copy stream. While the host sums call ``i`` in MPI, call ``i + 1``'s
-    copy down runs, and call ``i - 1``'s copy up, division and cast back
-    run behind it. The only order between the two streams is events:
-
-    * a copy down waits for everything queued on the current stream before
-      (the gradients, the zeroing of weight-0 ranks, the packing);
-    * MPI waits (on the host) for its buffer's copy down;
-    * the division and cast back wait for the copy up;
-    * buffer ``i % 2`` is reused by call ``i + 2`` only after call ``i``'s
-      copy up (same copy stream) and cast back (same current stream).
-
-    The current stream is synchronised at the end, so the results are
-    ready for any stream and for the host when this returns, as with the
-    CUDA-aware loop; so is the copy stream when a call fails, so that no
-    copy is left running into buffers that are given back. The caller makes
-    the arrays' device current and waits for torch's stream first.
-    """
-    current = xp.cuda.get_current_stream()
-    copies = staging.stream
-    down, packed, up = staging.events[:2], staging.events[2], staging.events[3]
-    regions: list[Any] = [None] * len(calls)  # what call i sums: a direct region of the slots, or a stage
-    staged = [False] * len(calls)
-
-    def copy_down(i: int) -> None:
-        call = calls[i]
-        region: Any = _direct(call, slots, 4)
-        if region is None:
-            region, staged[i] = staging.stages[i % 2][: call.length], True
-            _gather(region, call, slots)
-        regions[i] = region
-        current.record(packed)
-        copies.wait_event(packed)
-        region.get(stream=copies, out=staging.pinned[i % 2][: call.length], blocking=False)
-        copies.record(down[i % 2])
-
-    try:
-        if calls:
-            copy_down(0)
-        for i, call in enumerate(calls):
-            if i + 1 < len(calls):
-                copy_down(i + 1)  # buffers (i + 1) % 2: call i - 1's copy up and cast back are queued before
-            host = staging.pinned[i % 2][: call.length]
-            down[i % 2].synchronize()
-            allreduce(host)
-            region = regions[i]
-            region.set(host, stream=copies)
-            copies.record(up)
-            current.wait_event(up)
-            xp.divide(region, scale, out=region)
-            if staged[i]:
-                _scatter(region, call, slots)
-        _write_back(slots)
-        current.synchronize()
-    except BaseException:
-        copies.synchronize()
-        raise
+    write_back(slots)
 
 
 def bcast_calls(
@@ -498,7 +350,7 @@ def bcast_calls(
 ) -> None:
     """Broadcast every call's bytes from the root into the slots (units are bytes)."""
     for call in calls:
-        region = _direct(call, slots, 1)
+        region = direct(call, slots, 1)
         if region is not None:
             bcast(region)
             continue
@@ -511,4 +363,4 @@ def bcast_calls(
             for seg in call.segments:
                 slots[seg.slot].flat.view(np.uint8)[seg.src : seg.src + seg.length] = buf[seg.dst : seg.dst + seg.length]
     if not is_root:
-        _write_back(slots)
+        write_back(slots)

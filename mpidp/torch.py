@@ -29,9 +29,9 @@ from typing import Any
 
 import numpy as np
 import torch
-from mpi4py import MPI
 
 from . import arrays, core, guard
+from . import comm as _mpi
 from .comm import Communicator
 from .core import MissingGradientPolicy
 from .errors import ContractError
@@ -70,7 +70,7 @@ class DataParallel:
     def __init__(
         self,
         model: torch.nn.Module,
-        comm: MPI.Comm | None = None,
+        comm: Any = None,
         root: int = 0,
         *,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
@@ -78,13 +78,9 @@ class DataParallel:
         timeout: float | None = None,
         flat_parameters: bool = False,
     ) -> None:
-        if comm is None:
-            comm = MPI.COMM_WORLD
-        if not isinstance(comm, MPI.Comm):
-            raise TypeError(f"comm must be an mpi4py communicator, got {type(comm).__name__}")
         self.module = model
         self._root = root
-        self._comm = Communicator(comm)  # buffers travel here, apart from the core's traffic
+        self._comm = _mpi.duplicate(comm)  # buffers travel here, apart from the core's traffic
         self._watchdog: guard.Watchdog | None = None
         try:
             self._watchdog = _watchdog(self._comm, timeout)  # the buffers' collectives are watched too

@@ -212,7 +212,7 @@ def test_cupy_reduce_is_bitwise_the_host_result(comm: MPI.Comm, aware: str) -> N
     with mpidp.DataParallel.initialize(params, comm, chunk_bytes=4096) as dp:
         assert dp.cuda_aware[0] is (aware == "1")
         seen: list[tuple[str, int]] = []
-        staging = getattr(dp, "_staging", None)
+        staging = dp._gpu.staging
         dp._comm.comm = _Recording(dp._comm.comm, seen, staging.stream if staging is not None and _FAKE else None)
         grads = {}
         for k, g in host_grads.items():
@@ -358,7 +358,7 @@ def test_a_cuda_error_from_torchs_stream_is_an_error_on_every_rank(comm: MPI.Com
             def fault() -> None:
                 raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
-            monkeypatch.setattr(mpidp.arrays, "wait_for_torch", fault)
+            monkeypatch.setattr(mpidp.cuda, "wait_for_torch", fault)
         grads = {"w": cupy.ones(6, dtype=cupy.float32)}
         same_error_everywhere(
             comm, lambda: dp.reduce(grads, 1), mpidp.ContractError,

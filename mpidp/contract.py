@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 from . import arrays
 from .arrays import FLOATING, ArrayInfo, describe
 
-__all__ = ["Contract", "Entry", "build", "diff"]
+__all__ = ["Contract", "Entry", "Region", "Regions", "build", "diff", "diff_regions"]
 
 
 class Entry(NamedTuple):
@@ -27,6 +27,21 @@ class Entry(NamedTuple):
 
 
 Contract = tuple[Entry, ...]
+
+
+class Region(NamedTuple):
+    """One named byte region moved from root as it is (a torch buffer): ``(name, shape, dtype, tie)``.
+
+    Regions of every dtype are copied byte for byte, never reduced.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    tie: str  # the first name of the same tensor (its own name when it is not shared)
+
+
+Regions = tuple[Region, ...]
 
 
 class Local(NamedTuple):
@@ -142,11 +157,34 @@ def diff(mine: Contract, theirs: Contract) -> str | None:
             if getattr(a, field) != getattr(b, field):
                 return f"parameter {a.name!r}: {field} {getattr(b, field)} differs from {getattr(a, field)}"
         return f"parameter {a.name!r}: {_tie(theirs, index)}, expected {_tie(mine, index)}"
-    if len(mine) < len(theirs):
-        return f"{len(theirs)} parameters, expected {len(mine)} (extra {theirs[len(mine)].name!r})"
-    return f"{len(theirs)} parameters, expected {len(mine)} (missing {mine[len(theirs)].name!r})"
+    return _count(mine, theirs, "parameters", "expected")
 
 
 def _tie(contract: Contract, index: int) -> str:
     alias = contract[index].alias
     return "untied" if alias == index else f"tied to {contract[alias].name!r}"
+
+
+def diff_regions(mine: Regions, theirs: Regions) -> str | None:
+    """Name the first region (buffer) of ``theirs`` that differs from rank 0's ``mine``, or None."""
+    if mine == theirs:
+        return None
+    for a, b in zip(mine, theirs):
+        if a.name != b.name:
+            return f"buffer {b.name!r} where rank 0 has {a.name!r}"
+        if a[:3] != b[:3]:
+            return f"buffer {a.name!r} is {b.dtype} of shape {b.shape}, on rank 0 {a.dtype} of shape {a.shape}"
+        if a != b:
+            return f"buffer {a.name!r} is {_shared(b)}, on rank 0 {_shared(a)}"
+    return _count(mine, theirs, "buffers", "rank 0 has")
+
+
+def _shared(region: Region) -> str:
+    return "a tensor of its own" if region.tie == region.name else f"the same tensor as {region.tie!r}"
+
+
+def _count(mine: Sequence[Any], theirs: Sequence[Any], noun: str, expected: str) -> str:
+    """The difference of two lists that agree on their common prefix: an extra or a missing name."""
+    if len(mine) < len(theirs):
+        return f"{len(theirs)} {noun}, {expected} {len(mine)} (extra {theirs[len(mine)].name!r})"
+    return f"{len(theirs)} {noun}, {expected} {len(mine)} (missing {mine[len(theirs)].name!r})"

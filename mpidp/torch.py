@@ -30,17 +30,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import arrays, core, guard
-from . import comm as _mpi
-from .comm import Communicator
-from .core import MissingGradientPolicy
-from .errors import ContractError
+from . import arrays, core
+from .contract import Region
+from .core import ByteRegions, MissingGradientPolicy
 from .packing import DEFAULT_CHUNK_BYTES
 
 __all__ = ["DataParallel"]
-
-#: (name, shape, dtype) of one buffer, as ranks exchange it
-BufferEntry = tuple[str, tuple[int, ...], str, str]  # name, shape, dtype, first name of the same tensor
 
 
 class DataParallel:
@@ -79,35 +74,20 @@ class DataParallel:
         flat_parameters: bool = False,
     ) -> None:
         self.module = model
-        self._root = root
-        self._comm = _mpi.duplicate(comm)  # buffers travel here, apart from the core's traffic
-        self._watchdog: guard.Watchdog | None = None
-        try:
-            self._watchdog = _watchdog(self._comm, timeout)  # the buffers' collectives are watched too
-            error = _check_module(model)
-            buffers = _buffers(model) if error is None else []
-            entries, prepared, why = _prepare(buffers)
-            error = error or why
-            self._params: dict[str, Any] = dict(model.named_parameters(remove_duplicate=False)) if error is None else {}
-            frozen = [name for name, p in self._params.items() if not p.requires_grad]
-            if flat_parameters and error is None:
-                moved, error = _flatten(self._params)
-            self._agree_on_buffers(entries, error, "buffers: agreement")  # local errors, then the buffers: before the core
-            self._core = core.DataParallel.initialize(
-                self._params, comm, root, frozen,
-                chunk_bytes=chunk_bytes, abort_on_exception=abort_on_exception, timeout=timeout,
-            )
-            self._broadcast(prepared, "buffers: Bcast")
+        error = _check_module(model)
+        regions = _regions(_buffers(model) if error is None else [])
+        error = error or regions.error
+        self._params: dict[str, Any] = dict(model.named_parameters(remove_duplicate=False)) if error is None else {}
+        frozen = [name for name, p in self._params.items() if not p.requires_grad]
+        moved: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
+        if flat_parameters and error is None:
+            moved, error = _flatten(self._params)
+        options = {"chunk_bytes": chunk_bytes, "device": None, "abort_on_exception": abort_on_exception, "timeout": timeout}
+        try:  # the buffers are agreed on and moved with the parameters: one record, one communicator
+            self._core = core.start(self._params, comm, root, frozen, options, regions._replace(error=error))
         except BaseException:
-            for p, old in locals().get("moved", []):
+            for p, old in moved:
                 p.data = old
-            try:
-                if hasattr(self, "_core"):
-                    self._core.close()
-            finally:
-                if self._watchdog is not None:
-                    self._watchdog.close()
-                self._comm.close()
             raise
         first: dict[int, str] = {}
         for name in sorted(self._params):
@@ -202,43 +182,7 @@ class DataParallel:
         tensor (checked first; ContractError on every rank otherwise, with
         nothing modified).
         """
-        self._core._usable()  # a closed or broken session says so, on every rank alike
-        entries, prepared, why = _prepare(_buffers(self.module))
-        self._agree_on_buffers(entries, why, "broadcast_buffers: agreement")
-        self._broadcast(prepared, "broadcast_buffers: Bcast")
-
-    def _agree_on_buffers(self, entries: tuple[BufferEntry, ...], error: str | None, label: str) -> None:
-        """Raise on every rank the first rank's local error, or the first buffer that differs from rank 0's."""
-        records = self._comm.allgather_obj((entries, error), label)
-        for rank, (_, err) in enumerate(records):
-            if err is not None:
-                raise ContractError(f"rank {rank}: {err}")
-        for rank, (theirs, _) in enumerate(records):
-            difference = _diff(records[0][0], theirs)
-            if difference is not None:
-                raise ContractError(f"rank {rank} differs from rank 0: {difference}")
-
-    def _broadcast(self, prepared: Prepared, label: str) -> None:
-        """Move every buffer's bytes from root in one Bcast (ranks agreed on the list and its sharing)."""
-        blob = np.empty(sum(v.size for _, v, _ in prepared), dtype=np.uint8)
-        if blob.size == 0:
-            return
-        is_root = self._comm.rank == self._root
-        if is_root:
-            offset = 0
-            for _, v, _ in prepared:
-                blob[offset : offset + v.size] = v
-                offset += v.size
-        self._comm.Bcast(blob, self._root, label)
-        if is_root:
-            return
-        offset = 0
-        for b, v, host in prepared:
-            v[...] = blob[offset : offset + v.size]
-            offset += v.size
-            if host is not None:
-                with torch.no_grad():
-                    b.copy_(host)
+        core.broadcast_regions(self._core, _regions(_buffers(self.module)), "broadcast_buffers")
 
     # --------------------------------------------------------------- utilities
 
@@ -249,7 +193,7 @@ class DataParallel:
         return self._params
 
     def verify_replicas(self) -> None:
-        """Check that every rank's parameters are bitwise equal to rank 0's (collective).
+        """Check that every rank's parameters are bitwise equal to root's (collective).
 
         Buffers are not compared: they are local after construction.
         """
@@ -271,16 +215,11 @@ class DataParallel:
                 p.grad.zero_()
 
     def close(self) -> None:
-        """Free the communicators (collective) and stop moving ``.grad`` into flat storage. Idempotent."""
+        """Free the communicator (collective) and stop moving ``.grad`` into flat storage. Idempotent."""
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
-        try:
-            self._core.close()
-        finally:
-            if self._watchdog is not None:
-                self._watchdog.close()
-            self._comm.close()
+        self._core.close()
 
     def __enter__(self) -> DataParallel:  # noqa: PYI034 - Self needs Python 3.11
         return self
@@ -307,18 +246,6 @@ def _into_flat(view: torch.Tensor) -> Any:
         p.grad = view
 
     return hook
-
-
-def _watchdog(comm: Communicator, timeout: Any) -> guard.Watchdog | None:
-    """A watchdog over the adapter's own collectives, armed as the core's is (``timeout``, else ``MPIDP_TIMEOUT``).
-
-    An invalid timeout arms none here: the core refuses it on every rank.
-    """
-    try:
-        seconds = guard.resolve_timeout(timeout)
-    except ValueError:
-        return None
-    return guard.Watchdog(comm, seconds) if seconds else None
 
 
 def _flatten(params: dict[str, Any]) -> tuple[list[tuple[torch.nn.Parameter, torch.Tensor]], str | None]:
@@ -361,63 +288,48 @@ def _buffers(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     return sorted(model.named_buffers(remove_duplicate=False), key=lambda item: item[0])
 
 
-Prepared = list[tuple[torch.Tensor, np.ndarray, torch.Tensor | None]]  # (buffer, byte view, host copy it views)
-
-
-def _prepare(buffers: list[tuple[str, torch.Tensor]]) -> tuple[tuple[BufferEntry, ...], Prepared, str | None]:
-    """This rank's buffer entries to agree on, and byte views for the Bcast (each shared tensor once), or why not.
+def _regions(buffers: list[tuple[str, torch.Tensor]]) -> ByteRegions:
+    """This rank's buffers as named byte regions for the core (each shared tensor once), or why not.
 
     Made before the ranks agree, so that a buffer this rank cannot read (sparse,
     on the meta device, uninitialized, ...) is an error on every rank instead of
     a failure on one.
     """
     first: dict[int, str] = {}
-    entries: list[BufferEntry] = []
-    out: Prepared = []
+    entries: list[Region] = []
+    views: list[np.ndarray] = []
+    copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (buffer, host copy its bytes travel through)
     name = ""
     try:
         for name, b in buffers:
-            entries.append((name, tuple(b.shape), _dtype(b), first.setdefault(id(b), name)))
+            entries.append(Region(name, tuple(b.shape), str(b.dtype).removeprefix("torch."), first.setdefault(id(b), name)))
             if first[id(b)] != name:  # a name of a tensor already prepared
                 continue
             why = arrays.problem(b)
             if why is not None:
-                return (), [], f"buffer {name!r}: {why}"
+                return _refused(f"buffer {name!r}: {why}")
             v, host = _bytes(b)
             if host is not None:  # written back with copy_ on other ranks: fail here, for everyone, if it cannot be
                 try:
                     with torch.no_grad():
                         b.copy_(host)  # its own values: nothing changes
                 except Exception as e:  # noqa: BLE001 - reported to every rank, never raised alone
-                    return (), [], f"buffer {name!r} cannot be written in place: {type(e).__name__}: {e}"
-            out.append((b, v, host))
+                    return _refused(f"buffer {name!r} cannot be written in place: {type(e).__name__}: {e}")
+                copies.append((b, host))
+            views.append(v)
     except Exception as e:  # noqa: BLE001 - reported to every rank, never raised alone
-        return (), [], f"could not read buffer {name!r}: {type(e).__name__}: {e}"
-    return tuple(entries), out, None
+        return _refused(f"could not read buffer {name!r}: {type(e).__name__}: {e}")
+
+    def written() -> None:
+        with torch.no_grad():
+            for b, host in copies:
+                b.copy_(host)
+
+    return ByteRegions(tuple(entries), tuple(views), written, None)
 
 
-def _dtype(t: torch.Tensor) -> str:
-    return str(t.dtype).removeprefix("torch.")
-
-
-def _diff(mine: tuple[BufferEntry, ...], theirs: tuple[BufferEntry, ...]) -> str | None:
-    """Name the first buffer that differs, or None."""
-    if mine == theirs:
-        return None
-    for a, b in zip(mine, theirs):
-        if a[0] != b[0]:
-            return f"buffer {b[0]!r} where rank 0 has {a[0]!r}"
-        if a[:3] != b[:3]:
-            return f"buffer {a[0]!r} is {b[2]} of shape {b[1]}, on rank 0 {a[2]} of shape {a[1]}"
-        if a != b:
-            return f"buffer {a[0]!r} is {_tie(b)}, on rank 0 {_tie(a)}"
-    if len(theirs) > len(mine):
-        return f"{len(theirs)} buffers, rank 0 has {len(mine)} (extra {theirs[len(mine)][0]!r})"
-    return f"{len(theirs)} buffers, rank 0 has {len(mine)} (missing {mine[len(theirs)][0]!r})"
-
-
-def _tie(entry: BufferEntry) -> str:
-    return "a tensor of its own" if entry[3] == entry[0] else f"the same tensor as {entry[3]!r}"
+def _refused(why: str) -> ByteRegions:
+    return ByteRegions((), (), lambda: None, why)
 
 
 def _bytes(t: torch.Tensor) -> tuple[np.ndarray, torch.Tensor | None]:

@@ -668,7 +668,7 @@ def test_verify_replicas_reports_a_parameter_it_cannot_read_on_every_rank(
         def unreadable(v: Any) -> memoryview:
             raise RuntimeError("unreadable storage")
 
-        monkeypatch.setattr(mpidp.core, "_bytes", unreadable)
+        monkeypatch.setattr(mpidp.layout, "crc_bytes", unreadable)
     same_error_everywhere(
         comm, dp.verify_replicas, ContractError, f"rank {last}: could not read the parameters: RuntimeError: unreadable storage"
     )
@@ -723,13 +723,13 @@ def test_a_failed_collective_poisons_the_session(comm: MPI.Comm, dp: Any, monkey
 
 def test_strided_bounds_match_numpy_byte_bounds() -> None:
     # the overlap check's bounds for device (CuPy) gradients, checked against NumPy's on host views
-    from mpidp.core import _byte_bounds, _strided_bounds
+    from mpidp.layout import byte_bounds, strided_bounds
 
     base = np.zeros((6, 10, 4), dtype=np.float32)
     views = [base, base[1:4, ::3], base[::-1], base[:, ::-2, 1:3], base.transpose(2, 0, 1), base[5:6, 9:, 3:], base.reshape(-1)[7:8]]
     for v in views:
         address = v.__array_interface__["data"][0]
-        assert _strided_bounds(address, v.shape, v.strides, v.itemsize) == tuple(_byte_bounds(v)), v.strides
+        assert strided_bounds(address, v.shape, v.strides, v.itemsize) == tuple(byte_bounds(v)), v.strides
 
 
 def test_reduce_refuses_gradients_that_share_memory(comm: MPI.Comm, dp: Any, where: tuple[bool, int]) -> None:
@@ -800,7 +800,7 @@ def test_plan_cache_stays_small(comm: MPI.Comm, dp: Any) -> None:
     for _ in range(40):
         names = [n for n in TRAINABLE if rng.random() < 0.6] or ["big"]
         dp.reduce(grads_for(dp.params, np.random.default_rng(comm.rank), names), 1, ZERO)
-    assert len(dp._plans) <= 8
+    assert len(dp._cache.plans) <= 8
 
 
 @pytest.mark.parametrize("timeout", [-1, float("nan")])

@@ -212,7 +212,7 @@ def test_cupy_reduce_is_bitwise_the_host_result(comm: MPI.Comm, aware: str) -> N
     with mpidp.DataParallel.initialize(params, comm, chunk_bytes=4096) as dp:
         assert dp.cuda_aware[0] is (aware == "1")
         seen: list[tuple[str, int]] = []
-        staging = dp._gpu.staging
+        staging = dp._transport.gpu.staging
         dp._comm.comm = _Recording(dp._comm.comm, seen, staging.stream if staging is not None and _FAKE else None)
         grads = {}
         for k, g in host_grads.items():

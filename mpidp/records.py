@@ -1,0 +1,269 @@
+"""Every record the ranks exchange, named, and the one agree step every collective operation takes.
+
+A session's first exchange is the :class:`Setup` record of ``initialize``,
+pickled (plain data only: a dict of named fields). Every later operation
+exchanges one fixed-size frame of unsigned 64-bit words, the same length
+for every operation of the session, so that ranks in different operations
+still match in MPI and learn that they are::
+
+    word 0   KIND     which operation: WINDOW (reduce), VERIFY, REGIONS (broadcast_buffers)
+    word 1   ERROR    1 when this rank found an error before the exchange
+    word 2.. body     the operation's own fields, named by its class (:class:`Window`, ...)
+
+:func:`agree` is the step between checking locally and moving bytes: it
+exchanges the records and raises the same ContractError on every rank when
+ranks are in different operations, any rank reported an error (the first
+such rank's text; a frame fetches the texts only then), or the records
+disagree on what must be equal. After it returns no rank can diverge.
+Everything but :func:`agree` is pure: tests build tables by hand.
+"""
+
+from __future__ import annotations
+
+import pickle
+import zlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .contract import Contract, Entry, Region, Regions, diff, diff_regions
+from .errors import ContractError
+
+if TYPE_CHECKING:
+    from .comm import Communicator
+
+__all__ = ["REGIONS", "U64_MAX", "VERIFY", "WINDOW", "Frame", "RegionsRecord", "Setup", "Verify", "Window", "agree", "regions_disagreement"]
+
+U64_MAX = (1 << 64) - 1
+#: operation kinds (word 0 of a frame)
+WINDOW, VERIFY, REGIONS = 1, 2, 3
+OPERATIONS = {WINDOW: "reduce", VERIFY: "verify_replicas", REGIONS: "broadcast_buffers"}
+#: the words every frame starts with
+KIND, ERROR, BODY = 0, 1, 2
+
+Rows = list[list[int]]
+#: judges a table every rank holds alike: what the ranks disagree on, or None
+Judge = Callable[[Rows], "str | None"]
+
+
+# ------------------------------------------------------------------ initialize
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What one rank brings to ``initialize``: every rank must bring the same, or say why it cannot."""
+
+    contract: Contract
+    root: int
+    chunk_bytes: int
+    #: whether this rank's arrays are host memory (the broadcast plan depends on every rank's)
+    on_host: bool
+    #: runs of adjacent host memory (:func:`mpidp.layout.runs`), None where there are none to use
+    runs: tuple[tuple[int, ...], ...] | None
+    #: named byte regions moved with the parameters (the torch adapter's buffers)
+    regions: Regions = ()
+
+    def encode(self, error: str | None) -> dict[str, Any]:
+        """Plain data by field name, with this rank's error (the restricted unpickler admits nothing else)."""
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["contract"] = tuple(tuple(e) for e in self.contract)
+        out["regions"] = tuple(tuple(r) for r in self.regions)
+        out["error"] = error
+        return out
+
+    @classmethod
+    def decode(cls, data: dict[str, Any]) -> tuple[Setup, str | None]:
+        """The record and the error a rank sent."""
+        values = {f.name: data[f.name] for f in fields(cls)}
+        values["contract"] = tuple(Entry(*e) for e in data["contract"])
+        values["regions"] = tuple(Region(*r) for r in data["regions"])
+        return cls(**values), data["error"]
+
+    @staticmethod
+    def disagreement(records: Sequence[Setup]) -> str | None:
+        """The first rank that differs from rank 0, named with what differs (regions first), or None."""
+        head = records[0]
+        why = regions_disagreement([r.regions for r in records])
+        if why is not None:
+            return why
+        for rank, r in enumerate(records):
+            difference = diff(head.contract, r.contract)
+            if difference is not None:
+                return f"rank {rank} differs from rank 0: {difference}"
+            if r.root != head.root:
+                return f"rank {rank} broadcasts from root {r.root}, rank 0 from root {head.root}"
+            if r.chunk_bytes != head.chunk_bytes:
+                return f"rank {rank} uses chunk_bytes={r.chunk_bytes}, rank 0 chunk_bytes={head.chunk_bytes}"
+        return None
+
+
+def regions_disagreement(everyone: Sequence[Regions]) -> str | None:
+    """The first rank whose named regions differ from rank 0's, named with what differs, or None."""
+    for rank, regions in enumerate(everyone):
+        difference = diff_regions(everyone[0], regions)
+        if difference is not None:
+            return f"rank {rank} differs from rank 0: {difference}"
+    return None
+
+
+# -------------------------------------------------------------- fixed frames
+
+
+class Frame:
+    """A session's fixed-size exchange record; ``body`` words fit the largest operation's fields."""
+
+    def __init__(self, body: int) -> None:
+        self.width = BODY + body
+
+    def new(self, kind: int) -> np.ndarray:
+        """A zeroed frame of operation ``kind``."""
+        frame = np.zeros(self.width, dtype=np.uint64)
+        frame[KIND] = kind
+        return frame
+
+
+class Window:
+    """The reduce record: window number and policy (every rank's must be equal), weight, presence bits."""
+
+    WINDOW, POLICY, WEIGHT, PRESENCE = BODY, BODY + 1, BODY + 2, BODY + 3
+    #: frame words ``[0, AGREED)`` are equal on every rank of a window that goes ahead
+    AGREED = BODY + 2
+
+    @staticmethod
+    def body(slots: int) -> int:
+        """Body words for ``slots`` reduction slots."""
+        return 3 + (slots + 63) // 64
+
+    @staticmethod
+    def fill(frame: np.ndarray, window: int, policy: int, weight: int, presence: np.ndarray) -> None:
+        """Write this rank's window record into a WINDOW ``frame``."""
+        frame[Window.WINDOW] = window
+        frame[Window.POLICY] = policy
+        frame[Window.WEIGHT] = weight
+        frame[Window.PRESENCE : Window.PRESENCE + presence.size] = presence
+
+    @staticmethod
+    def judge(policies: Callable[[int], Any]) -> Judge:
+        """The judge of a window table: ranks in different windows, then different policies."""
+
+        def disagreement(rows: Rows) -> str | None:
+            head = rows[0][: Window.AGREED]
+            if all(r[: Window.AGREED] == head for r in rows):  # the usual window: one comparison per rank
+                return None
+            other = first_different([r[Window.WINDOW] for r in rows])
+            if other is not None:
+                return (
+                    f"ranks are in different windows: rank 0 in window {rows[0][Window.WINDOW]}, rank {other} in "
+                    f"window {rows[other][Window.WINDOW]} (a rank skipped or added a reduce)"
+                )
+            other = first_different([r[Window.POLICY] for r in rows])
+            assert other is not None
+            return (
+                f"ranks disagree on the missing-gradient policy: rank 0 uses {policies(rows[0][Window.POLICY]).name}, "
+                f"rank {other} uses {policies(rows[other][Window.POLICY]).name}"
+            )
+
+        return disagreement
+
+    @staticmethod
+    def facts(rows: Rows, words: int) -> tuple[int, tuple[int, ...]]:
+        """The exact global weight, and the presence words OR-ed over the ranks with a weight."""
+        global_weight = sum(r[Window.WEIGHT] for r in rows)  # exact: Python ints
+        bits = [0] * words
+        for r in rows:
+            if r[Window.WEIGHT]:
+                bits = [a | b for a, b in zip(bits, r[Window.PRESENCE : Window.PRESENCE + words])]
+        return global_weight, tuple(bits)
+
+
+class Verify:
+    """The verify_replicas record: a CRC-32 of every tie-group head's bytes, in contract order."""
+
+    CRCS = BODY
+
+    @staticmethod
+    def crcs(rows: Rows, heads: int) -> np.ndarray:
+        """The ``(ranks, heads)`` table of CRCs."""
+        return np.array([r[Verify.CRCS : Verify.CRCS + heads] for r in rows], dtype=np.uint64).reshape(len(rows), heads)
+
+
+class RegionsRecord:
+    """The broadcast_buffers record: a digest of the named regions every rank must hold alike."""
+
+    DIGEST = BODY
+
+    @staticmethod
+    def digest(regions: Regions) -> int:
+        """A 64-bit digest of the region entries: equal entries, equal digests."""
+        data = pickle.dumps(tuple(tuple(r) for r in regions), protocol=4)
+        return (zlib.crc32(data) << 32) | zlib.adler32(data)
+
+    @staticmethod
+    def differ(rows: Rows) -> bool:
+        """Whether some rank's digest differs from rank 0's (then the entries are fetched to name it)."""
+        return first_different([r[RegionsRecord.DIGEST] for r in rows]) is not None
+
+    @staticmethod
+    def decode(sent: Sequence[Any]) -> list[Regions]:
+        """Every rank's region entries, as :func:`regions_disagreement` compares them."""
+        return [tuple(Region(*r) for r in regions) for regions in sent]
+
+
+# ---------------------------------------------------------------- agreement
+
+
+def agree(
+    comm: Communicator, mine: Any, error: str | None, operation: str, judge: Judge | None = None
+) -> Any:
+    """Exchange this rank's record; raise the same ContractError on every rank unless the ranks are in step.
+
+    Collective: every rank must call it. ``mine`` is a :class:`Setup`
+    (returns every rank's) or a frame (returns every rank's as Python ints,
+    for ``judge`` and the caller). ``error`` is this rank's local error.
+    Raises when ranks are in different operations, then for the first rank
+    that reported an error (``rank r: ...``), then what ``judge`` (for a
+    Setup: :meth:`Setup.disagreement`) finds.
+    """
+    if isinstance(mine, Setup):
+        sent = [Setup.decode(r) for r in comm.allgather_obj(mine.encode(error), operation)]
+        _raise_first_error([e for _, e in sent])
+        records = [r for r, _ in sent]
+        refuse(Setup.disagreement(records))
+        return records
+    mine[ERROR] = error is not None
+    table = comm.Allgather(mine, operation)
+    rows: Rows = table.tolist()
+    head = rows[0]
+    if head[ERROR] or any(r[KIND] != head[KIND] or r[ERROR] for r in rows):
+        other = first_different([r[KIND] for r in rows])
+        if other is not None:
+            raise ContractError(
+                f"ranks are in different mpidp operations: rank 0 in {OPERATIONS.get(head[KIND], '?')}, "
+                f"rank {other} in {OPERATIONS.get(rows[other][KIND], '?')}"
+            )
+        _raise_first_error(comm.allgather_obj(error, f"{operation}: error texts"))
+        raise ContractError("ranks disagree on whether an error occurred")  # pragma: no cover - records misread
+    if judge is not None:
+        refuse(judge(rows))
+    return rows
+
+
+def refuse(why: str | None) -> None:
+    """Raise ``why`` as the ContractError every rank raises (every rank judged the same records); None: return."""
+    if why is not None:
+        raise ContractError(why)
+
+
+def _raise_first_error(errors: Sequence[str | None]) -> None:
+    """Raise ``rank r: error`` for the first rank that reported one (every rank holds the same list)."""
+    for rank, error in enumerate(errors):
+        if error is not None:
+            raise ContractError(f"rank {rank}: {error}")
+
+
+def first_different(column: Sequence[int]) -> int | None:
+    """The first rank whose value differs from rank 0's, or None when all agree."""
+    first = column[0]
+    return next((rank for rank, value in enumerate(column) if value != first), None)

@@ -1,0 +1,228 @@
+"""One reduce window's local side: the reduction slots, the gradient checks, the reuse cache, the move.
+
+Pure up to :func:`move`, which takes the session's communicator: the checks
+run before the exchange (:mod:`mpidp.records`), the move after it, on
+agreed facts only (global presence, global weight), so every rank issues
+the same collectives.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import numpy as np
+
+from . import arrays, layout
+from .packing import Call, Slot, Step, plan, reduce_calls, run_steps, slot, steps
+
+if TYPE_CHECKING:
+    from .comm import Communicator
+    from .cuda import Device
+
+__all__ = ["Cache", "Given", "Group", "Transport", "check_gradients", "reduce_slots"]
+
+#: a window's plan: the calls, and the globally present reduction slots
+Plan = tuple[tuple[Call, ...], list[int]]
+#: the plans of this many presence patterns are kept (presence patterns can be endless)
+PLANS = 8
+
+
+class Group(NamedTuple):
+    """One reduction slot: a trainable tie group, reduced once."""
+
+    number: int  # its reduction slot
+    name: str  # the group's head (first name in contract order)
+    info: arrays.ArrayInfo  # of the parameter: a gradient must match its shape, dtype and device
+    param: Any  # the parameter array (what a zero gradient is made like)
+
+
+class Given(NamedTuple):
+    """A gradient this rank passed for one reduction slot, as the window moves it."""
+
+    name: str  # the name it came under (the head or another name of the tie group)
+    array: Any
+    view: Any  # NumPy or CuPy view of ``array``
+    prepared: Slot | None  # the Slot built once for mpidp's own flat storage, else None
+
+
+class Transport(NamedTuple):
+    """How a session's chunks reach MPI: its communicator, its float32 stage, its device (None: host)."""
+
+    comm: Communicator
+    stage: Any
+    gpu: Device | None
+
+
+class Cache:
+    """What reduce reuses from window to window; a window that raises keeps no gradient arrays.
+
+    * ``accepted``: name -> (weak reference, fingerprint, slot, flat entry or None) of every gradient
+      of the last window that passed the checks: the same objects, unchanged, pass again without a
+      second look (weak, so that a caller who allocates new gradients every window does not keep the
+      old ones alive); ``serial`` counts the sets accepted, ``again`` says this window's set is the last
+      one, unchanged.
+    * ``program``: (plan, serial, host steps, result) of the last window whose gradients were the same
+      arrays as the window before: the next such window reruns the steps as they are.
+    * ``plans``: presence bits -> plan, a small LRU.
+    * ``flat``: the persistent flat gradient storage (:meth:`DataParallel.gradient_buffers`), once asked for.
+    """
+
+    def __init__(self) -> None:
+        self.accepted: dict[str, tuple[Any, tuple[Any, ...], int, Any]] = {}
+        self.serial = 0
+        self.again = False
+        self.program: tuple[Plan, int, tuple[Step, ...], dict[str, Any]] | None = None
+        self.plans: dict[tuple[int, ...], Plan] = {}
+        self.flat: layout.FlatGradients | None = None
+
+    def forget(self) -> None:
+        """Hold no gradient array any more (a window that failed, a closed session)."""
+        self.accepted, self.program, self.again = {}, None, False
+
+    def plan(self, key: tuple[int, ...], sizes: Sequence[int], chunk: int) -> Plan:
+        """The plan of presence words ``key`` (agreed), from the LRU or made now."""
+        entry = self.plans.pop(key, None)
+        if entry is None:
+            present = np.unpackbits(np.array(key, dtype=np.uint64).view(np.uint8), count=len(sizes)).astype(bool).tolist()
+            entry = (plan(sizes, present, chunk), [i for i, here in enumerate(present) if here])
+        self.plans[key] = entry
+        if len(self.plans) > PLANS:
+            del self.plans[next(iter(self.plans))]
+        return entry
+
+
+def check_gradients(
+    grads: Any, groups: Mapping[str, Group], frozen: frozenset[str], cache: Cache, given: list[Given | None]
+) -> str | None:
+    """Check this rank's gradients and fill ``given`` (one entry per reduction slot); the error, or None.
+
+    Local. ``groups`` maps every trainable name (tied ones included) to its
+    reduction slot. The last accepted set, unchanged, passes without a
+    second look (``cache.again``).
+    """
+    cache.again = False
+    if not isinstance(grads, Mapping):
+        return f"grads must be a mapping of names to arrays, got {type(grads).__name__}"
+    if _accepted_again(grads, cache, given):
+        cache.again = True
+        return None
+    cache.forget()
+    cache.serial += 1
+    seen: dict[int, str] = {}
+    for name in sorted(grads, key=str):
+        group = groups.get(name)
+        if group is None:
+            return f"gradient for {'frozen' if name in frozen else 'unknown'} parameter {name!r}"
+        earlier = given[group.number]
+        if earlier is not None:
+            return f"two gradients for one tied array: {earlier.name!r} and {name!r}"
+        g = grads[name]
+        if id(g) in seen:
+            return f"gradients {seen[id(g)]!r} and {name!r} are the same array (each needs its own)"
+        seen[id(g)] = name
+        why = _problem(name, g, group.info)
+        if why is not None:
+            return why
+        flat = cache.flat.prepared(group.number, g) if cache.flat is not None else None
+        given[group.number] = Given(name, g, arrays.view(g) if flat is None else flat[2], None if flat is None else flat[3])
+    present = [x for x in given if x is not None]
+    why = layout.overlap([x.view for x in present], [x.name for x in present])
+    if why is None:
+        _accept(cache, given)
+    return why
+
+
+def _problem(name: str, g: Any, p: arrays.ArrayInfo) -> str | None:
+    """Why gradient ``g`` cannot be its parameter's (``p``), or None."""
+    info = arrays.describe(g)
+    if info is None:
+        return f"gradient {name!r} is a {type(g).__name__}, not an array"
+    for field in ("shape", "dtype", "device"):
+        if getattr(info, field) != getattr(p, field):
+            return f"gradient {name!r}: {field} {getattr(info, field)} differs from its parameter's {getattr(p, field)}"
+    why = arrays.problem(g)
+    return None if why is None else f"gradient {name!r}: {why}"
+
+
+def _accept(cache: Cache, given: Sequence[Given | None]) -> None:
+    """Remember the accepted gradients, so that the same arrays pass the next window without a look."""
+    accepted = {}
+    try:
+        for i, x in enumerate(given):
+            if x is None:
+                continue
+            flat = None if x.prepared is None or cache.flat is None else cache.flat.slots[i]
+            accepted[x.name] = (weakref.ref(x.array), arrays.fingerprint(x.array) if flat is None else flat[1], i, flat)
+        cache.accepted = accepted
+    except TypeError:  # an array type without weak references: checked in full every window
+        cache.accepted = {}
+
+
+def _accepted_again(grads: Mapping[str, Any], cache: Cache, given: list[Given | None]) -> bool:
+    """Fill ``given`` if ``grads`` are the last accepted window's arrays, unchanged."""
+    accepted = cache.accepted
+    if not accepted or len(grads) != len(accepted):
+        return False
+    fingerprint = arrays.fingerprint
+    for name, g in grads.items():
+        entry = accepted.get(name)
+        if entry is None or entry[0]() is not g or fingerprint(g) != entry[1]:
+            given[:] = [None] * len(given)
+            return False
+        index, flat = entry[2], entry[3]
+        if flat is None:  # a caller's array: only its view is needed again
+            given[index] = Given(name, g, arrays.view(g), None)
+        else:  # mpidp's own flat storage, unchanged since its fingerprint was taken
+            given[index] = Given(name, g, flat[2], flat[3])
+    return True
+
+
+def reduce_slots(
+    transport: Transport, cache: Cache, entry: Plan, groups: Sequence[Group], given: Sequence[Given | None],
+    weight: int, global_weight: int, operation: str,
+) -> dict[str, Any]:
+    """Sum the globally present slots over all ranks, divide by ``global_weight``, cast back (collective).
+
+    Every rank calls it with the same agreed ``entry`` and ``global_weight``.
+    Returns the reduced gradients by the names they came with (new zero
+    arrays, by head name, where this rank had none).
+    """
+    comm = transport.comm
+
+    def allreduce(b: Any) -> None:
+        comm.Allreduce(b, operation)
+
+    program = cache.program
+    if program is not None and cache.again and weight > 0 and program[0] is entry and program[1] == cache.serial:
+        # the same arrays as the window that cut these steps, unchanged (same objects, same
+        # fingerprints: same memory) and all present; a weighted rank with every gradient makes
+        # every slot globally present, so the plan is the same too (checked all the same: cheap)
+        run_steps(program[2], allreduce, global_weight)
+        return dict(program[3])
+    cache.program = None
+    calls, indices = entry
+    out: dict[str, Any] = {}
+    slots: list[Slot | None] = [None] * len(groups)  # filled in for every globally present slot
+    for index in indices:
+        x = given[index]
+        if x is None:
+            g = arrays.zeros_like(groups[index].param)
+            slots[index] = slot(arrays.view(g))
+            out[groups[index].name] = g
+            continue
+        if weight == 0:
+            x.view[...] = 0
+        slots[index] = x.prepared if x.prepared is not None else slot(x.view)
+        out[x.name] = x.array
+    if transport.gpu is not None:
+        transport.gpu.reduce_calls(comm, calls, slots, global_weight, operation)
+    elif cache.again and weight > 0 and all(x is not None for x in given) and all(s.original is None for s in slots if s is not None):
+        # the second window in a row on the same arrays: keep the cut views for the next one
+        work = steps(calls, slots, transport.stage)
+        cache.program = (entry, cache.serial, work, dict(out))
+        run_steps(work, allreduce, global_weight)
+    else:
+        reduce_calls(calls, slots, transport.stage, allreduce, global_weight)
+    return out

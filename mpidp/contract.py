@@ -86,41 +86,51 @@ def build(params: Any, frozen: Any, device: str | None) -> Local:
     for index, name in enumerate(names):
         array = params[name]
         info = describe(array)
+        why = _array_problem(name, array, info)
         if info is None:
-            error = error or f"parameter {name!r}: {type(array).__name__} is not a NumPy, CuPy or PyTorch array"
             info = ArrayInfo("?", type(array).__name__, (), "?")
-        elif info.is_integer:
-            error = error or (
-                f"parameter {name!r}: {info.dtype} arrays need explicit synchronization "
-                "(mpidp moves only float32, float16 and bfloat16)"
-            )
-        elif info.dtype not in FLOATING:
-            error = error or f"parameter {name!r}: dtype {info.dtype} is not supported (float32, float16, bfloat16)"
-        elif (why := arrays.problem(array)) is not None:
-            error = error or f"parameter {name!r}: {why}"
-        elif device is None:
+        elif why is None and device is None:
             device = info.device if info.device == "cpu" else arrays.current_device(info.backend)
-        if error is None and info.dtype == "bfloat16" and info.device.startswith("cuda"):
-            why = arrays.device_bfloat16_problem()
-            if why is not None:
-                error = f"parameter {name!r}: {why}"
-        if error is None and info.device != device:
-            error = f"parameter {name!r} is on {info.device}, but this rank's device is {device}"
+        error = error or why or _placement_problem(name, info, device)
         alias = first.setdefault(id(array), index)
         trainable = name not in frozen_set
-        if alias != index and error is None:
-            head = entries[alias]
-            if head.trainable != trainable:
-                error = (
-                    f"tied parameters {head.name!r} and {name!r} disagree on the trainable flag "
-                    "(freeze all names of a tied array or none)"
-                )
+        if alias != index and error is None and entries[alias].trainable != trainable:
+            error = (
+                f"tied parameters {entries[alias].name!r} and {name!r} disagree on the trainable flag "
+                "(freeze all names of a tied array or none)"
+            )
         entries.append(Entry(name, info.shape, info.dtype, trainable, alias))
         values.append(array)
         infos.append(info)
     if error is None and device is not None:
         error = _device_problem(device, infos)
     return Local(tuple(entries), tuple(values), tuple(infos), error, device or "cpu")
+
+
+def _array_problem(name: str, array: Any, info: ArrayInfo | None) -> str | None:
+    """Why ``array`` cannot be a parameter, or None."""
+    if info is None:
+        return f"parameter {name!r}: {type(array).__name__} is not a NumPy, CuPy or PyTorch array"
+    if info.is_integer:
+        return (
+            f"parameter {name!r}: {info.dtype} arrays need explicit synchronization "
+            "(mpidp moves only float32, float16 and bfloat16)"
+        )
+    if info.dtype not in FLOATING:
+        return f"parameter {name!r}: dtype {info.dtype} is not supported (float32, float16, bfloat16)"
+    why = arrays.problem(array)
+    return None if why is None else f"parameter {name!r}: {why}"
+
+
+def _placement_problem(name: str, info: ArrayInfo, device: str | None) -> str | None:
+    """Why parameter ``name`` cannot live where it does on this rank's ``device``, or None."""
+    if info.dtype == "bfloat16" and info.device.startswith("cuda"):
+        why = arrays.device_bfloat16_problem()
+        if why is not None:
+            return f"parameter {name!r}: {why}"
+    if info.device != device:
+        return f"parameter {name!r} is on {info.device}, but this rank's device is {device}"
+    return None
 
 
 def _device_problem(device: Any, infos: Sequence[ArrayInfo]) -> str | None:

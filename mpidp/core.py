@@ -18,12 +18,13 @@ import warnings
 import zlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
-from . import arrays, contract, cuda, guard, launch, layout, records
+from . import arrays, checks, cuda, guard, launch, layout, records
 from . import comm as _mpi
+from .checks import ByteRegions
 from .comm import Communicator
 from .errors import CollectiveError, ContractError
 from .layout import flat_parameters
@@ -60,29 +61,6 @@ class ReducedGradients:
     global_weight: int
 
 
-class ByteRegions(NamedTuple):
-    """Named byte regions an adapter moves from root with the parameters (torch's buffers), read before agreeing."""
-
-    entries: contract.Regions  # what every rank must hold alike
-    views: tuple[np.ndarray, ...]  # host uint8 views, one per distinct region, in entry order
-    written: Callable[[], None]  # called on every rank but root once the bytes have landed in the views
-    error: str | None  # why this rank cannot take part, or None
-
-
-NO_REGIONS = ByteRegions((), (), lambda: None, None)
-
-
-class _Local(NamedTuple):
-    """What initialize found on this rank before agreeing."""
-
-    setup: Setup
-    error: str | None
-    found: contract.Local
-    aware: tuple[bool, str]
-    stage: Any
-    gpu: cuda.Device | None
-
-
 class DataParallel:
     """A rank's replicated training session over a private duplicate of ``comm``.
 
@@ -90,7 +68,7 @@ class DataParallel:
     between ranks: names and tie topology decide the order of collectives.
     """
 
-    def __init__(self, comm: Communicator, params: Mapping[str, Any], local: _Local, watchdog: guard.Watchdog | None) -> None:
+    def __init__(self, comm: Communicator, params: Mapping[str, Any], local: checks.Found, watchdog: guard.Watchdog | None) -> None:
         found = local.found
         self._comm = comm
         self._params = params
@@ -161,7 +139,7 @@ class DataParallel:
         or differs from another's; nothing is modified then.
         """
         options = {"chunk_bytes": chunk_bytes, "device": device, "abort_on_exception": abort_on_exception, "timeout": timeout}
-        return start(params, comm, root, frozen, options, NO_REGIONS)
+        return start(params, comm, root, frozen, options, checks.NO_REGIONS)
 
     def _broadcast(self, everyone: list[Setup]) -> None:
         """Bcast every tie-group head from root: array by array, or by runs of adjacent memory (agreed facts only).
@@ -188,7 +166,7 @@ class DataParallel:
             return lambda b: comm.Bcast(b, root, operation)
         return lambda b: gpu.bcast(comm, b, root, operation)
 
-    def _move_regions(self, regions: ByteRegions, operation: str) -> None:
+    def _move_regions(self, regions: checks.ByteRegions, operation: str) -> None:
         """Move every region's bytes from root in one host Bcast (the ranks agreed on the list)."""
         blob = np.empty(sum(v.size for v in regions.views), dtype=np.uint8)
         if blob.size == 0:
@@ -432,7 +410,7 @@ class DataParallel:
 
 
 def start(
-    params: Mapping[str, Any], comm: Any, root: Any, frozen: Any, options: dict[str, Any], regions: ByteRegions
+    params: Mapping[str, Any], comm: Any, root: Any, frozen: Any, options: dict[str, Any], regions: checks.ByteRegions
 ) -> DataParallel:
     """:meth:`DataParallel.initialize` with named byte ``regions`` moved from root too (collective).
 
@@ -453,7 +431,7 @@ def start(
         except ValueError as e:
             timeout, setup_error = None, str(e)
         watchdog = guard.Watchdog(c, timeout) if timeout else None
-        local = _check_setup(c, params, root, frozen, options, regions, setup_error)  # check locally
+        local = checks.setup(c, params, root, frozen, options, regions, setup_error)  # check locally
         everyone = records.agree(c, local.setup, local.error, "initialize: agreement")  # agree
         self = DataParallel(c, params, local, watchdog)
         self._broadcast(everyone)  # move
@@ -468,47 +446,7 @@ def start(
     return self
 
 
-def _check_setup(
-    c: Communicator, params: Any, root: Any, frozen: Any, options: dict[str, Any], regions: ByteRegions, setup_error: str | None
-) -> _Local:
-    """Everything initialize checks on this rank before agreeing (local): its record and first error."""
-    try:
-        found = contract.build(params, frozen, options["device"])
-    except Exception as e:  # noqa: BLE001 - reported to every rank, never raised alone
-        found = contract.Local((), (), (), f"could not read the parameters: {type(e).__name__}: {e}")
-    error = regions.error or found.error or setup_error
-    aware = (False, "host arrays")
-    if found.device != "cpu":
-        try:
-            import cupy  # noqa: F401 - device staging, casts and scaling run in CuPy
-
-            aware = cuda.detect(c.comm)
-        except ImportError:
-            error = error or "GPU arrays need CuPy (pip install mpidp[cupy])"
-        except ValueError as e:
-            error = error or str(e)
-    if isinstance(root, bool) or not isinstance(root, numbers.Integral) or not 0 <= int(root) < c.size:
-        error = error or f"root {root!r} is outside the world of {c.size} ranks"
-        root = -1
-    chunk_bytes = options["chunk_bytes"]
-    if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, numbers.Integral) or int(chunk_bytes) < 4096:
-        error = error or f"chunk_bytes must be an integer of at least 4096, got {chunk_bytes!r}"
-        chunk_bytes = 0
-    chunk = int(chunk_bytes) // 4 * 4
-    stage: Any = None
-    gpu: cuda.Device | None = None
-    if error is None:  # before the ranks agree: a rank that cannot allocate them is an error on every rank
-        try:
-            stage, gpu = _chunk_buffers(found.device, chunk, aware[0])
-        except Exception as e:  # noqa: BLE001 - reported to every rank, never raised alone
-            error = f"could not allocate the chunk buffers (chunk_bytes={chunk_bytes}, {found.device}): {type(e).__name__}: {e}"
-    heads = [a for i, (e, a) in enumerate(zip(found.contract, found.arrays)) if e.alias == i]
-    runs = layout.runs(heads, found.device) if error is None else None
-    setup = Setup(found.contract, int(root), chunk, _on_host(found), runs, regions.entries)
-    return _Local(setup, error, found, aware, stage, gpu)
-
-
-def broadcast_regions(dp: DataParallel, regions: ByteRegions, operation: str) -> None:
+def broadcast_regions(dp: DataParallel, regions: checks.ByteRegions, operation: str) -> None:
     """Copy root's named byte regions into every rank's, after agreeing on them (collective).
 
     Raises ContractError on every rank, with nothing modified, when a rank
@@ -522,23 +460,6 @@ def broadcast_regions(dp: DataParallel, regions: ByteRegions, operation: str) ->
         sent = dp._comm.allgather_obj(tuple(tuple(r) for r in regions.entries), f"{operation}: entries")
         records.refuse(records.regions_disagreement(records.RegionsRecord.decode(sent)))
     dp._move_regions(regions, f"{operation}: Bcast")
-
-
-def _chunk_buffers(device: str, chunk_bytes: int, cuda_aware: bool) -> tuple[Any, cuda.Device | None]:
-    """Allocate a session's chunk-sized buffers (local): the float32 stage, and for device arrays the device's.
-
-    Host arrays get a host stage. Device arrays get a device stage (the casts and scaling run on the
-    device) and, where MPI is not CUDA-aware, the pinned staging of :class:`mpidp.cuda.Device`.
-    """
-    if device == "cpu":
-        return np.empty(chunk_bytes // 4, dtype=np.float32), None
-    gpu = cuda.Device(device, cuda_aware, chunk_bytes)
-    return gpu.stage, gpu
-
-
-def _on_host(local: contract.Local) -> bool:
-    """Whether this rank's arrays are host memory (a fact of the initialize record: plans depend on every rank's)."""
-    return local.device == "cpu"
 
 
 def _check_weight(local_weight: Any, policy: Any, error: str | None) -> tuple[int, int, str | None]:

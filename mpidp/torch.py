@@ -31,8 +31,9 @@ import numpy as np
 import torch
 
 from . import arrays, core
+from .checks import ByteRegions
 from .contract import Region
-from .core import ByteRegions, MissingGradientPolicy
+from .core import MissingGradientPolicy
 from .packing import DEFAULT_CHUNK_BYTES
 
 __all__ = ["DataParallel"]

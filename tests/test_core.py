@@ -172,7 +172,7 @@ def test_initialize_plans_its_bcasts_from_agreed_facts_only(
     is on the host; rank 0's initialize record emulates a GPU rank here.
     """
     if comm.rank == device_rank:
-        monkeypatch.setattr(mpidp.core, "_on_host", lambda local: False)
+        monkeypatch.setattr(mpidp.checks, "on_host", lambda local: False)
     params = {"big": np.full(30_000, comm.rank, np.float32), "small": np.full(100, comm.rank, np.float32)}
     sizes = count_bcasts(monkeypatch)
     with mpidp.DataParallel.initialize(params, comm):

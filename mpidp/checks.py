@@ -1,0 +1,102 @@
+"""What initialize checks on this rank before the ranks agree (local; nothing is communicated or modified).
+
+Every check that can fail runs here, and so does every allocation a rank
+might fail at (the chunk buffers), so that a failure is this rank's error
+in the initialize record, raised alike on every rank, never a raise on one.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import numpy as np
+
+from . import contract, cuda, layout
+from .records import Setup
+
+if TYPE_CHECKING:
+    from .comm import Communicator
+
+__all__ = ["NO_REGIONS", "ByteRegions", "Found", "chunk_buffers", "on_host", "setup"]
+
+
+class ByteRegions(NamedTuple):
+    """Named byte regions an adapter moves from root with the parameters (torch's buffers), read before agreeing."""
+
+    entries: contract.Regions  # what every rank must hold alike
+    views: tuple[np.ndarray, ...]  # host uint8 views, one per distinct region, in entry order
+    written: Callable[[], None]  # called on every rank but root once the bytes have landed in the views
+    error: str | None  # why this rank cannot take part, or None
+
+
+NO_REGIONS = ByteRegions((), (), lambda: None, None)
+
+
+class Found(NamedTuple):
+    """What initialize found on this rank before agreeing."""
+
+    setup: Setup
+    error: str | None
+    found: contract.Local
+    aware: tuple[bool, str]
+    stage: Any
+    gpu: cuda.Device | None
+
+
+def setup(
+    c: Communicator, params: Any, root: Any, frozen: Any, options: dict[str, Any], regions: ByteRegions, setup_error: str | None
+) -> Found:
+    """Everything initialize checks on this rank before agreeing (local): its record and first error."""
+    try:
+        found = contract.build(params, frozen, options["device"])
+    except Exception as e:  # noqa: BLE001 - reported to every rank, never raised alone
+        found = contract.Local((), (), (), f"could not read the parameters: {type(e).__name__}: {e}")
+    error = regions.error or found.error or setup_error
+    aware = (False, "host arrays")
+    if found.device != "cpu":
+        try:
+            import cupy  # noqa: F401 - device staging, casts and scaling run in CuPy
+
+            aware = cuda.detect(c.comm)
+        except ImportError:
+            error = error or "GPU arrays need CuPy (pip install mpidp[cupy])"
+        except ValueError as e:
+            error = error or str(e)
+    if isinstance(root, bool) or not isinstance(root, numbers.Integral) or not 0 <= int(root) < c.size:
+        error = error or f"root {root!r} is outside the world of {c.size} ranks"
+        root = -1
+    chunk_bytes = options["chunk_bytes"]
+    if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, numbers.Integral) or int(chunk_bytes) < 4096:
+        error = error or f"chunk_bytes must be an integer of at least 4096, got {chunk_bytes!r}"
+        chunk_bytes = 0
+    chunk = int(chunk_bytes) // 4 * 4
+    stage: Any = None
+    gpu: cuda.Device | None = None
+    if error is None:  # before the ranks agree: a rank that cannot allocate them is an error on every rank
+        try:
+            stage, gpu = chunk_buffers(found.device, chunk, aware[0])
+        except Exception as e:  # noqa: BLE001 - reported to every rank, never raised alone
+            error = f"could not allocate the chunk buffers (chunk_bytes={chunk_bytes}, {found.device}): {type(e).__name__}: {e}"
+    heads = [a for i, (e, a) in enumerate(zip(found.contract, found.arrays)) if e.alias == i]
+    runs = layout.runs(heads, found.device) if error is None else None
+    setup = Setup(found.contract, int(root), chunk, on_host(found), runs, regions.entries)
+    return Found(setup, error, found, aware, stage, gpu)
+
+
+def chunk_buffers(device: str, chunk_bytes: int, cuda_aware: bool) -> tuple[Any, cuda.Device | None]:
+    """Allocate a session's chunk-sized buffers (local): the float32 stage, and for device arrays the device's.
+
+    Host arrays get a host stage. Device arrays get a device stage (the casts and scaling run on the
+    device) and, where MPI is not CUDA-aware, the pinned staging of :class:`mpidp.cuda.Device`.
+    """
+    if device == "cpu":
+        return np.empty(chunk_bytes // 4, dtype=np.float32), None
+    gpu = cuda.Device(device, cuda_aware, chunk_bytes)
+    return gpu.stage, gpu
+
+
+def on_host(local: contract.Local) -> bool:
+    """Whether this rank's arrays are host memory (a fact of the initialize record: plans depend on every rank's)."""
+    return local.device == "cpu"

@@ -37,7 +37,7 @@ from .packing import (
     slot,
 )
 from .records import U64_MAX, Frame, Setup, Window
-from .window import Cache, Given, Group, Transport, check_gradients, reduce_slots
+from .window import Cache, Given, Slots, Transport, check_gradients, reduce_slots
 
 __all__ = ["ByteRegions", "DataParallel", "MissingGradientPolicy", "ReducedGradients", "broadcast_regions", "flat_parameters", "start"]
 
@@ -85,18 +85,8 @@ class DataParallel:
         self._replica = tuple(zip((e.name for e in found.contract), found.arrays, map(arrays.signature, found.arrays)))
         #: contract indices of every tie-group head (frozen ones included): what is broadcast and verified
         self._heads = tuple(i for i, e in enumerate(self._contract) if e.alias == i)
-        #: one reduction slot per trainable tie-group head, in contract order
-        heads = [i for i, e in enumerate(self._contract) if e.trainable and e.alias == i]
-        self._groups = tuple(Group(k, self._contract[i].name, self._infos[i], self._arrays[i]) for k, i in enumerate(heads))
-        group_of_head = dict(zip(heads, self._groups))
-        #: every trainable name (tied ones included) -> its reduction slot
-        self._group_of = {e.name: group_of_head[e.alias] for e in self._contract if e.trainable}
-        self._frozen = frozenset(e.name for e in self._contract if not e.trainable)
-        self._sizes = tuple(g.info.size for g in self._groups)
-        self._words = (len(self._groups) + 63) // 64
-        #: the presence words of a rank that has every gradient
-        self._complete = _presence([True] * len(self._groups), self._words)
-        self._frame = Frame(max(Window.body(len(self._groups)), len(self._heads), 1))
+        self._slots = Slots(found.contract, found.infos, found.arrays)
+        self._frame = Frame(max(Window.body(len(self._slots)), len(self._heads), 1))
         self._window_frame = self._frame.new(records.WINDOW)  # reused: Allgather copies it out
         self._judge = Window.judge(MissingGradientPolicy)
         self._cache = Cache()
@@ -217,7 +207,7 @@ class DataParallel:
     @property
     def trainable(self) -> tuple[str, ...]:
         """The name that heads each trainable tie group, in contract order (local; no communication)."""
-        return tuple(g.name for g in self._groups)
+        return tuple(g.name for g in self._slots.groups)
 
     # ------------------------------------------------------------------ window
 
@@ -260,30 +250,30 @@ class DataParallel:
         self._usable()
         self._window += 1
         operation = f"reduce (window {self._window})"
-        given: list[Given | None] = [None] * len(self._groups)
+        given: list[Given | None] = [None] * len(self._slots.groups)
         error = self._check_window(grads, given)
         weight, code, error = _check_weight(local_weight, policy, error)
         complete = all(x is not None for x in given)
         if error is None and code == MissingGradientPolicy.ERROR.value and weight > 0 and not complete:
-            missing = self._groups[next(i for i, x in enumerate(given) if x is None)].name
+            missing = self._slots.groups[next(i for i, x in enumerate(given) if x is None)].name
             error = (
                 f"parameter {missing!r} has no gradient (policy ERROR, local weight {weight}); "
                 "pass policy=MissingGradientPolicy.ZERO if it is legitimately unused"
             )
-        presence = self._complete if complete else _presence([x is not None for x in given], self._words)
+        presence = self._slots.presence([x is not None for x in given])
         Window.fill(self._window_frame, self._window, code, weight, presence)
         try:
             rows = records.agree(self._comm, self._window_frame, error, f"{operation}: exchange", self._judge)
-            global_weight, key = Window.facts(rows, self._words)
+            global_weight, key = Window.facts(rows, self._slots.words)
             _check_global_weight(global_weight)
         except ContractError:
             self._cache.program = None  # a window that raises keeps no gradient arrays
             raise
-        entry = self._cache.plan(key, self._sizes, len(self._transport.stage))
+        entry = self._cache.plan(key, self._slots.sizes, len(self._transport.stage))
         try:
             # device work (zeros, contiguous copies, casts, streams and events) runs on the session's device
             with self._on_device():
-                out = reduce_slots(self._transport, self._cache, entry, self._groups, given, weight, global_weight, f"{operation}: Allreduce")
+                out = reduce_slots(self._transport, self._cache, entry, self._slots.groups, given, weight, global_weight, f"{operation}: Allreduce")
         except CollectiveError as e:
             self._failed = str(e)
             self._cache.forget()  # a broken session holds no gradient arrays
@@ -294,7 +284,7 @@ class DataParallel:
         """This rank's replica and gradients, checked (local): the error, or None with ``given`` filled."""
         self._cache.again = False
         try:
-            error = self._check_replica() or check_gradients(grads, self._group_of, self._frozen, self._cache, given)
+            error = self._check_replica() or check_gradients(grads, self._slots, self._cache, given)
             if error is None and self._transport.gpu is not None:
                 # torch's queued writes to the gradients are done before any device work of the window
                 # (and a CUDA error it reports is this rank's error, agreed, not a raise on one rank)
@@ -341,11 +331,11 @@ class DataParallel:
         :meth:`reduce`, and clear them with :meth:`zero_gradients`.
         """
         if self._cache.flat is None:
-            groups = self._groups
+            groups = self._slots.groups
             self._cache.flat = layout.FlatGradients(
-                [g.param for g in groups], [g.info for g in groups], self._sizes, len(self._transport.stage)
+                [g.param for g in groups], [g.info for g in groups], self._slots.sizes, len(self._transport.stage)
             )
-        return {g.name: a for g, a in zip(self._groups, self._cache.flat.arrays)}
+        return {g.name: a for g, a in zip(self._slots.groups, self._cache.flat.arrays)}
 
     def zero_gradients(self) -> None:
         """Set every array of :meth:`gradient_buffers` to zero (local, one fill per dtype)."""
@@ -484,10 +474,3 @@ def _check_global_weight(global_weight: int) -> None:
         if global_weight:
             raise ContractError(f"the global weight {global_weight} does not fit in 64 bits")
         raise ContractError("the global weight is 0: no rank has a token in this window, nothing to normalize")
-
-
-def _presence(present: list[bool], words: int) -> np.ndarray:
-    """The presence words of a window record: bit ``i`` set when reduction slot ``i`` has a gradient."""
-    out = np.zeros(words, dtype=np.uint64)
-    out.view(np.uint8)[: (len(present) + 7) // 8] = np.packbits(np.array(present, dtype=bool))
-    return out

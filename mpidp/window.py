@@ -38,6 +38,34 @@ class Group(NamedTuple):
     param: Any  # the parameter array (what a zero gradient is made like)
 
 
+class Slots:
+    """The reduction slots of a contract: one per trainable tie group, in contract order (agreed facts)."""
+
+    def __init__(self, entries: Sequence[Any], infos: Sequence[arrays.ArrayInfo], params: Sequence[Any]) -> None:
+        heads = [i for i, e in enumerate(entries) if e.trainable and e.alias == i]
+        self.groups = tuple(Group(k, entries[i].name, infos[i], params[i]) for k, i in enumerate(heads))
+        of_head = dict(zip(heads, self.groups))
+        #: every trainable name (tied ones included) -> its reduction slot
+        self.of = {e.name: of_head[e.alias] for e in entries if e.trainable}
+        self.frozen = frozenset(e.name for e in entries if not e.trainable)
+        self.sizes = tuple(g.info.size for g in self.groups)
+        #: presence words of a window record
+        self.words = (len(self.groups) + 63) // 64
+        self._complete = self._pack([True] * len(self.groups))
+
+    def __len__(self) -> int:
+        return len(self.groups)
+
+    def presence(self, present: list[bool]) -> np.ndarray:
+        """The presence words of a window record: bit ``i`` set when slot ``i`` has a gradient."""
+        return self._complete if all(present) else self._pack(present)  # every gradient: the usual window
+
+    def _pack(self, present: list[bool]) -> np.ndarray:
+        out = np.zeros(self.words, dtype=np.uint64)
+        out.view(np.uint8)[: (len(present) + 7) // 8] = np.packbits(np.array(present, dtype=bool))
+        return out
+
+
 class Given(NamedTuple):
     """A gradient this rank passed for one reduction slot, as the window moves it."""
 
@@ -93,14 +121,11 @@ class Cache:
         return entry
 
 
-def check_gradients(
-    grads: Any, groups: Mapping[str, Group], frozen: frozenset[str], cache: Cache, given: list[Given | None]
-) -> str | None:
+def check_gradients(grads: Any, slots: Slots, cache: Cache, given: list[Given | None]) -> str | None:
     """Check this rank's gradients and fill ``given`` (one entry per reduction slot); the error, or None.
 
-    Local. ``groups`` maps every trainable name (tied ones included) to its
-    reduction slot. The last accepted set, unchanged, passes without a
-    second look (``cache.again``).
+    Local. The last accepted set, unchanged, passes without a second look
+    (``cache.again``).
     """
     cache.again = False
     if not isinstance(grads, Mapping):
@@ -112,9 +137,9 @@ def check_gradients(
     cache.serial += 1
     seen: dict[int, str] = {}
     for name in sorted(grads, key=str):
-        group = groups.get(name)
+        group = slots.of.get(name)
         if group is None:
-            return f"gradient for {'frozen' if name in frozen else 'unknown'} parameter {name!r}"
+            return f"gradient for {'frozen' if name in slots.frozen else 'unknown'} parameter {name!r}"
         earlier = given[group.number]
         if earlier is not None:
             return f"two gradients for one tied array: {earlier.name!r} and {name!r}"

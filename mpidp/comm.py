@@ -20,7 +20,10 @@ from mpi4py import MPI
 
 from .errors import CollectiveError, ContractError
 
-__all__ = ["Communicator", "World", "abort", "duplicate", "loads", "world"]
+__all__ = ["Communicator", "MPIComm", "World", "abort", "duplicate", "loads", "world"]
+
+#: the user's communicator type, for the other modules' annotations (they import no mpi4py)
+MPIComm = MPI.Comm
 
 
 class _PlainUnpickler(pickle.Unpickler):
@@ -119,7 +122,7 @@ class Communicator:
             self.operation = None
 
 
-def duplicate(comm: Any) -> Communicator:
+def duplicate(comm: MPIComm | None) -> Communicator:
     """Duplicate the user's mpi4py communicator (None: ``COMM_WORLD``); collective on it.
 
     Raises TypeError, locally, when ``comm`` is not an mpi4py communicator.

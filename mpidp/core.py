@@ -25,7 +25,7 @@ import numpy as np
 from . import arrays, checks, cuda, guard, launch, layout, records
 from . import comm as _mpi
 from .checks import ByteRegions
-from .comm import Communicator
+from .comm import Communicator, MPIComm
 from .errors import CollectiveError, ContractError
 from .layout import flat_parameters
 from .packing import (
@@ -39,7 +39,7 @@ from .packing import (
 from .records import U64_MAX, Frame, Setup, Window
 from .window import Cache, Given, Slots, Transport, check_gradients, reduce_slots
 
-__all__ = ["ByteRegions", "DataParallel", "MissingGradientPolicy", "ReducedGradients", "broadcast_regions", "flat_parameters", "start"]
+__all__ = ["ByteRegions", "DataParallel", "MPIComm", "MissingGradientPolicy", "ReducedGradients", "broadcast_regions", "flat_parameters", "start"]
 
 
 class MissingGradientPolicy(enum.Enum):
@@ -100,7 +100,7 @@ class DataParallel:
     def initialize(
         cls,
         params: Mapping[str, Any],
-        comm: Any = None,
+        comm: MPIComm | None = None,
         root: int = 0,
         frozen: Any = (),
         *,
@@ -400,7 +400,7 @@ class DataParallel:
 
 
 def start(
-    params: Mapping[str, Any], comm: Any, root: Any, frozen: Any, options: dict[str, Any], regions: checks.ByteRegions
+    params: Mapping[str, Any], comm: MPIComm | None, root: Any, frozen: Any, options: dict[str, Any], regions: checks.ByteRegions
 ) -> DataParallel:
     """:meth:`DataParallel.initialize` with named byte ``regions`` moved from root too (collective).
 

@@ -32,6 +32,7 @@ import torch
 
 from . import arrays, core
 from .checks import ByteRegions
+from .comm import MPIComm
 from .contract import Region
 from .core import MissingGradientPolicy
 from .packing import DEFAULT_CHUNK_BYTES
@@ -66,7 +67,7 @@ class DataParallel:
     def __init__(
         self,
         model: torch.nn.Module,
-        comm: Any = None,
+        comm: MPIComm | None = None,
         root: int = 0,
         *,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,

@@ -15,6 +15,9 @@ from typing import Any
 import numpy as np
 import pytest
 from mpi4py import MPI
+from replicas import model
+
+import mpidp
 
 #: seconds one test may run before its stacks are dumped and the process exits
 TEST_TIMEOUT = float(os.environ.get("MPIDP_TEST_TIMEOUT", "120"))
@@ -38,6 +41,16 @@ def _watchdog() -> Any:
 @pytest.fixture
 def comm() -> MPI.Comm:
     return MPI.COMM_WORLD
+
+
+@pytest.fixture
+def dp(comm: MPI.Comm) -> Any:
+    """A session on :func:`replicas.model` (``frozen`` frozen); ``dp.params`` is its parameter mapping."""
+    params = model(100 + comm.rank)
+    d = mpidp.DataParallel.initialize(params, comm, frozen=["frozen"])
+    d.params = params  # type: ignore[attr-defined]
+    yield d
+    d.close()
 
 
 @pytest.fixture(params=["one", "every"])

@@ -1,0 +1,75 @@
+"""mpidp.arrays: what an array is to mpidp, and its memory (pure: one process, no MPI)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from mpidp import arrays
+from mpidp.arrays import BFLOAT16, ArrayInfo
+
+
+def test_describe_numpy_and_torch() -> None:
+    assert arrays.describe(np.zeros((2, 3), np.float16)) == ArrayInfo("numpy", "float16", (2, 3), "cpu")
+    assert arrays.describe(np.zeros(2, BFLOAT16)) == ArrayInfo("numpy", "bfloat16", (2,), "cpu")
+    assert arrays.describe(np.zeros(2, ">f4")).dtype == ">f4"  # a foreign byte order: named by its code, refused later
+    assert arrays.describe(torch.zeros(4, dtype=torch.bfloat16)) == ArrayInfo("torch", "bfloat16", (4,), "cpu")
+    assert arrays.describe([1.0]) is None
+    assert ArrayInfo("numpy", "int8", (2, 5), "cpu").size == 10 and ArrayInfo("numpy", "bool", (), "cpu").is_integer
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, BFLOAT16, np.int64, np.bool_, ">f4"])
+@pytest.mark.parametrize("writeable", [True, False])
+def test_address_is_the_first_element_whatever_the_dtype_or_flags(dtype: object, writeable: bool) -> None:
+    a = np.zeros(16, dtype)
+    a.flags.writeable = writeable
+    for v in (a, a[3:], a[::2]):
+        assert arrays.address(v) == v.__array_interface__["data"][0]
+
+
+def test_host_region_is_the_memory_at_an_address() -> None:
+    a = np.arange(8, dtype=np.float32)
+    r = arrays.host_region(arrays.address(a[2:]), 8, np.float32)
+    assert r.tolist() == [2.0, 3.0]
+    r[0] = -1
+    assert a[2] == -1
+
+
+def test_view_shares_memory_with_torch_tensors_bfloat16_included() -> None:
+    t = torch.arange(6, dtype=torch.bfloat16)
+    v = arrays.view(t)
+    assert v.dtype == BFLOAT16 and v.tolist() == t.float().tolist()
+    v[0] = 5
+    assert t[0].item() == 5
+
+
+def test_problem_says_why_an_array_cannot_be_written_in_place() -> None:
+    a = np.zeros(3, np.float32)
+    assert arrays.problem(a) is None
+    a.flags.writeable = False
+    assert arrays.problem(a) == "it is read-only (mpidp writes into it in place)"
+    assert "resolve_neg" in (arrays.problem(torch.zeros(2)._neg_view()) or "")
+    assert "dense" in (arrays.problem(torch.zeros(2, 2).to_sparse()) or "")
+
+
+def test_fingerprint_changes_with_memory_shape_and_writability() -> None:
+    a = np.zeros(6, np.float32)
+    before = arrays.fingerprint(a)
+    a[...] = 1
+    assert arrays.fingerprint(a) == before  # values are not part of it
+    a.shape = (2, 3)
+    assert arrays.fingerprint(a) != before
+    t = torch.zeros(4)
+    fp = arrays.fingerprint(t)
+    t.data = torch.zeros(4)
+    assert arrays.fingerprint(t) != fp  # the storage was swapped under the same object
+
+
+def test_new_arrays_of_the_same_kind() -> None:
+    t = torch.ones(2, 3, dtype=torch.float16).t()
+    z = arrays.zeros_like(t)
+    assert isinstance(z, torch.Tensor) and z.shape == (3, 2) and z.is_contiguous() and not z.any()
+    f = arrays.flat_zeros(np.ones(1, BFLOAT16), 5)
+    assert f.dtype == BFLOAT16 and f.shape == (5,)
+    assert arrays.xp(np.zeros(1)) is np

@@ -1,0 +1,192 @@
+"""mpidp.records: the named exchange records and the one agree step (pure: scripted ranks, no MPI).
+
+Every rank of a simulated world runs :func:`agree` on the same exchanged
+table; the tests assert that each raises the same error, or none does.
+"""
+
+from __future__ import annotations
+
+import pickle
+from typing import Any
+
+import numpy as np
+import pytest
+from fakecomm import Table
+
+from mpidp import ContractError, MissingGradientPolicy
+from mpidp.comm import loads
+from mpidp.contract import Entry, Region
+from mpidp.records import (
+    ERROR,
+    KIND,
+    REGIONS,
+    VERIFY,
+    WINDOW,
+    Frame,
+    RegionsRecord,
+    Setup,
+    Verify,
+    Window,
+    agree,
+    first_different,
+    regions_disagreement,
+)
+
+CONTRACT = (Entry("a", (3,), "float32", True, 0), Entry("b", (2, 2), "float16", False, 1), Entry("c", (3,), "float32", True, 0))
+BUFFERS = (Region("m", (4,), "int64", "m"), Region("n", (4,), "int64", "m"))
+
+
+def setup(**change: Any) -> Setup:
+    fields = {"contract": CONTRACT, "root": 0, "chunk_bytes": 4096, "on_host": True, "runs": ((0, 1),), "regions": BUFFERS}
+    return Setup(**(fields | change))
+
+
+def outcomes(size: int, run: Any) -> list[tuple[str, str] | None]:
+    """``run(rank)`` on every simulated rank: the error type and message each raised, or None."""
+    out = []
+    for rank in range(size):
+        try:
+            run(rank)
+            out.append(None)
+        except ContractError as e:
+            out.append(("ContractError", str(e)))
+    return out
+
+
+def same_everywhere(size: int, run: Any) -> str:
+    every = outcomes(size, run)
+    assert every[0] is not None and all(o == every[0] for o in every), every
+    return every[0][1]
+
+
+# ------------------------------------------------------------------ initialize
+
+
+def test_setup_record_is_plain_data_by_name() -> None:
+    encoded = setup().encode("oops")
+    assert sorted(encoded) == ["chunk_bytes", "contract", "error", "on_host", "regions", "root", "runs"]
+    decoded, error = Setup.decode(loads(pickle.dumps(encoded)))  # through the restricted unpickler
+    assert decoded == setup() and error == "oops"
+
+
+def agree_setups(records: list[Setup], errors: list[str | None]) -> str:
+    sent = [r.encode(e) for r, e in zip(records, errors)]
+    return same_everywhere(len(records), lambda rank: agree(Table(rank, objects=[sent]), records[rank], errors[rank], "init"))
+
+
+def test_setup_agreement_names_the_first_rank_with_an_error() -> None:
+    records = [setup()] * 4
+    assert agree_setups(records, [None, None, "bad dtype", "worse"]) == "rank 2: bad dtype"
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"root": 1}, "rank 3 broadcasts from root 1, rank 0 from root 0"),
+        ({"chunk_bytes": 8192}, "rank 3 uses chunk_bytes=8192, rank 0 chunk_bytes=4096"),
+        ({"contract": CONTRACT[:2]}, "rank 3 differs from rank 0: 2 parameters, expected 3 (missing 'c')"),
+        ({"regions": BUFFERS[:1]}, "rank 3 differs from rank 0: 1 buffers, rank 0 has 2 (missing 'n')"),
+        ({"regions": (BUFFERS[0], Region("n", (4,), "int64", "n"))}, "buffer 'n' is a tensor of its own, on rank 0 the same tensor as 'm'"),
+    ],
+)
+def test_setup_agreement_names_the_first_difference(change: dict[str, Any], message: str) -> None:
+    records = [setup()] * 3 + [setup(**change)]
+    assert message in agree_setups(records, [None] * 4)
+
+
+def test_setup_agreement_passes_equal_records_and_returns_them() -> None:
+    records = [setup(on_host=r != 2) for r in range(3)]  # on_host and runs are facts to collect, not to agree on
+    sent = [r.encode(None) for r in records]
+    assert agree(Table(1, objects=[sent]), records[1], None, "init") == records
+
+
+def test_buffer_differences_come_before_parameter_differences() -> None:
+    records = [setup(), setup(root=1, regions=BUFFERS[::-1])]
+    assert agree_setups(records, [None, None]) == "rank 1 differs from rank 0: buffer 'n' where rank 0 has 'm'"
+
+
+# ------------------------------------------------------------------- frames
+
+
+def window_frames(rows: list[dict[str, Any]], slots: int = 70) -> list[np.ndarray]:
+    frame = Frame(Window.body(slots))
+    out = []
+    for row in rows:
+        f = frame.new(row.get("kind", WINDOW))
+        presence = np.zeros((slots + 63) // 64, np.uint64)
+        presence[0] = row.get("presence", 0)
+        Window.fill(f, row.get("window", 1), row.get("policy", 0), row.get("weight", 1), presence)
+        f[ERROR] = row.get("error") is not None
+        out.append(f)
+    return out
+
+
+def agree_window(rows: list[dict[str, Any]]) -> list[list[int]]:
+    frames = window_frames(rows)
+    texts = [r.get("error") for r in rows]
+    judge = Window.judge(MissingGradientPolicy)
+    results = []
+
+    def run(rank: int) -> None:
+        results.append(agree(Table(rank, frames, [texts]), frames[rank].copy(), texts[rank], "reduce", judge))
+
+    every = outcomes(len(rows), run)
+    assert all(o == every[0] for o in every), every
+    if every[0] is not None:
+        raise ContractError(every[0][1])
+    return results[0]
+
+
+def test_a_frame_starts_with_the_operation_and_the_error_flag() -> None:
+    frame = Frame(Window.body(3))
+    assert frame.width == 2 + 3 + 1
+    f = frame.new(VERIFY)
+    assert f.dtype == np.uint64 and f[KIND] == VERIFY and not f[1:].any()
+
+
+def test_window_facts_are_the_exact_weight_and_the_weighted_presence() -> None:
+    rows = agree_window([{"weight": 2**63, "presence": 0b011}, {"weight": 2**63 - 1, "presence": 0b100}, {"weight": 0, "presence": 0b1000}])
+    global_weight, presence = Window.facts(rows, 2)
+    assert global_weight == 2**64 - 1 and isinstance(global_weight, int)
+    assert presence == (0b111, 0)  # the rank with weight 0 adds nothing
+
+
+@pytest.mark.parametrize(
+    ("rows", "message"),
+    [
+        ([{}, {"kind": VERIFY}], "ranks are in different mpidp operations: rank 0 in reduce, rank 1 in verify_replicas"),
+        ([{}, {"kind": REGIONS}, {"error": "x"}], "rank 1 in broadcast_buffers"),
+        ([{}, {"error": "no gradient"}, {"error": "later"}], "rank 1: no gradient"),
+        ([{}, {"window": 2}], "ranks are in different windows: rank 0 in window 1, rank 1 in window 2 (a rank skipped or added a reduce)"),
+        ([{}, {}, {"policy": 1}], "ranks disagree on the missing-gradient policy: rank 0 uses ERROR, rank 2 uses ZERO"),
+        ([{"window": 3, "policy": 1}, {"error": "first"}, {"window": 2}], "rank 1: first"),  # errors before windows
+    ],
+)
+def test_agree_raises_the_same_error_on_every_rank(rows: list[dict[str, Any]], message: str) -> None:
+    with pytest.raises(ContractError) as info:
+        agree_window(rows)
+    assert message in str(info.value)
+
+
+def test_texts_are_fetched_only_when_a_rank_reported_an_error() -> None:
+    frames = window_frames([{}, {}])
+    comm = Table(0, frames, [])
+    agree(comm, frames[0].copy(), None, "reduce (window 1): exchange", Window.judge(MissingGradientPolicy))
+    assert comm.calls == ["reduce (window 1): exchange"]  # one small Allgather, no pickles
+
+
+def test_verify_and_regions_records_by_name() -> None:
+    frame = Frame(4).new(VERIFY)
+    frame[Verify.CRCS : Verify.CRCS + 3] = [7, 8, 9]
+    assert Verify.crcs([frame.tolist(), frame.tolist()], 3).tolist() == [[7, 8, 9], [7, 8, 9]]
+    assert RegionsRecord.digest(BUFFERS) == RegionsRecord.digest(tuple(BUFFERS))
+    assert RegionsRecord.digest(BUFFERS) != RegionsRecord.digest(BUFFERS[:1])
+    rows = [[REGIONS, 0, RegionsRecord.digest(b)] for b in (BUFFERS, BUFFERS, BUFFERS[:1])]
+    assert RegionsRecord.differ(rows) and not RegionsRecord.differ(rows[:2])
+    sent = [tuple(tuple(r) for r in b) for b in (BUFFERS, BUFFERS[:1])]
+    assert regions_disagreement(RegionsRecord.decode(sent)) == "rank 1 differs from rank 0: 1 buffers, rank 0 has 2 (missing 'n')"
+
+
+def test_first_different() -> None:
+    assert first_different([3, 3, 3]) is None
+    assert first_different([3, 3, 4, 5]) == 2

@@ -32,9 +32,8 @@ import torch
 
 from . import arrays, core
 from .checks import ByteRegions
-from .comm import MPIComm
 from .contract import Region
-from .core import MissingGradientPolicy
+from .core import MissingGradientPolicy, MPIComm
 from .packing import DEFAULT_CHUNK_BYTES
 
 __all__ = ["DataParallel"]

@@ -252,7 +252,10 @@ class DataParallel:
         operation = f"reduce (window {self._window})"
         given: list[Given | None] = [None] * len(self._slots.groups)
         error = self._check_window(grads, given)
-        weight, code, error = _check_weight(local_weight, policy, error)
+        if type(local_weight) is int and 0 <= local_weight <= U64_MAX and policy.__class__ is MissingGradientPolicy:
+            weight, code = local_weight, policy.value  # the usual window, cheaply
+        else:
+            weight, code, error = _check_weight(local_weight, policy, error)
         complete = all(x is not None for x in given)
         if error is None and code == MissingGradientPolicy.ERROR.value and weight > 0 and not complete:
             missing = self._slots.groups[next(i for i, x in enumerate(given) if x is None)].name
@@ -260,10 +263,10 @@ class DataParallel:
                 f"parameter {missing!r} has no gradient (policy ERROR, local weight {weight}); "
                 "pass policy=MissingGradientPolicy.ZERO if it is legitimately unused"
             )
-        presence = self._slots.presence([x is not None for x in given])
+        presence = self._slots.complete if complete else self._slots.presence([x is not None for x in given])
         Window.fill(self._window_frame, self._window, code, weight, presence)
         try:
-            rows = records.agree(self._comm, self._window_frame, error, f"{operation}: exchange", self._judge)
+            rows = records.agree(self._comm, self._window_frame, error, f"{operation}: exchange", self._judge, Window.AGREED)
             global_weight, key = Window.facts(rows, self._slots.words)
             _check_global_weight(global_weight)
         except ContractError:
@@ -455,7 +458,7 @@ def broadcast_regions(dp: DataParallel, regions: checks.ByteRegions, operation: 
 def _check_weight(local_weight: Any, policy: Any, error: str | None) -> tuple[int, int, str | None]:
     """The weight and policy code of this rank's window record, and the first error (local)."""
     weight = 0
-    if type(local_weight) is int and 0 <= local_weight <= U64_MAX:  # the usual case, cheaply
+    if type(local_weight) is int and 0 <= local_weight <= U64_MAX:
         weight = local_weight
     elif isinstance(local_weight, bool) or not isinstance(local_weight, numbers.Integral):
         error = error or f"local_weight must be a non-negative int, got {type(local_weight).__name__} {local_weight!r}"

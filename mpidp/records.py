@@ -67,7 +67,7 @@ class Setup:
 
     def encode(self, error: str | None) -> dict[str, Any]:
         """Plain data by field name, with this rank's error (the restricted unpickler admits nothing else)."""
-        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out = {name: getattr(self, name) for name in SETUP_FIELDS}
         out["contract"] = tuple(tuple(e) for e in self.contract)
         out["regions"] = tuple(tuple(r) for r in self.regions)
         out["error"] = error
@@ -76,7 +76,7 @@ class Setup:
     @classmethod
     def decode(cls, data: dict[str, Any]) -> tuple[Setup, str | None]:
         """The record and the error a rank sent."""
-        values = {f.name: data[f.name] for f in fields(cls)}
+        values = {name: data[name] for name in SETUP_FIELDS}
         values["contract"] = tuple(Entry(*e) for e in data["contract"])
         values["regions"] = tuple(Region(*r) for r in data["regions"])
         return cls(**values), data["error"]
@@ -97,6 +97,9 @@ class Setup:
             if r.chunk_bytes != head.chunk_bytes:
                 return f"rank {rank} uses chunk_bytes={r.chunk_bytes}, rank 0 chunk_bytes={head.chunk_bytes}"
         return None
+
+
+SETUP_FIELDS = tuple(f.name for f in fields(Setup))
 
 
 def regions_disagreement(everyone: Sequence[Regions]) -> str | None:
@@ -146,12 +149,9 @@ class Window:
 
     @staticmethod
     def judge(policies: Callable[[int], Any]) -> Judge:
-        """The judge of a window table: ranks in different windows, then different policies."""
+        """The judge of a window table whose agreed words differ: ranks in different windows, then policies."""
 
         def disagreement(rows: Rows) -> str | None:
-            head = rows[0][: Window.AGREED]
-            if all(r[: Window.AGREED] == head for r in rows):  # the usual window: one comparison per rank
-                return None
             other = first_different([r[Window.WINDOW] for r in rows])
             if other is not None:
                 return (
@@ -159,7 +159,8 @@ class Window:
                     f"window {rows[other][Window.WINDOW]} (a rank skipped or added a reduce)"
                 )
             other = first_different([r[Window.POLICY] for r in rows])
-            assert other is not None
+            if other is None:
+                return None
             return (
                 f"ranks disagree on the missing-gradient policy: rank 0 uses {policies(rows[0][Window.POLICY]).name}, "
                 f"rank {other} uses {policies(rows[other][Window.POLICY]).name}"
@@ -215,16 +216,18 @@ class RegionsRecord:
 
 
 def agree(
-    comm: Communicator, mine: Any, error: str | None, operation: str, judge: Judge | None = None
+    comm: Communicator, mine: Any, error: str | None, operation: str, judge: Judge | None = None, agreed: int = BODY
 ) -> Any:
     """Exchange this rank's record; raise the same ContractError on every rank unless the ranks are in step.
 
     Collective: every rank must call it. ``mine`` is a :class:`Setup`
-    (returns every rank's) or a frame (returns every rank's as Python ints,
-    for ``judge`` and the caller). ``error`` is this rank's local error.
-    Raises when ranks are in different operations, then for the first rank
-    that reported an error (``rank r: ...``), then what ``judge`` (for a
-    Setup: :meth:`Setup.disagreement`) finds.
+    (returns every rank's) or a frame (returns every rank's as Python ints).
+    ``error`` is this rank's local error. Raises when ranks are in different
+    operations, then for the first rank that reported an error (``rank r:
+    ...``), then what ``judge`` finds (for a Setup: :meth:`Setup.disagreement`).
+    Frame words ``[0, agreed)`` must be equal on every rank; ``judge`` is
+    asked only when they are not (the usual exchange costs one comparison
+    per rank).
     """
     if isinstance(mine, Setup):
         sent = [Setup.decode(r) for r in comm.allgather_obj(mine.encode(error), operation)]
@@ -233,20 +236,20 @@ def agree(
         refuse(Setup.disagreement(records))
         return records
     mine[ERROR] = error is not None
-    table = comm.Allgather(mine, operation)
-    rows: Rows = table.tolist()
-    head = rows[0]
-    if head[ERROR] or any(r[KIND] != head[KIND] or r[ERROR] for r in rows):
+    rows: Rows = comm.Allgather(mine, operation).tolist()
+    head = rows[0][:agreed]
+    if head[ERROR] or any(r[:agreed] != head for r in rows):
         other = first_different([r[KIND] for r in rows])
         if other is not None:
             raise ContractError(
                 f"ranks are in different mpidp operations: rank 0 in {OPERATIONS.get(head[KIND], '?')}, "
                 f"rank {other} in {OPERATIONS.get(rows[other][KIND], '?')}"
             )
-        _raise_first_error(comm.allgather_obj(error, f"{operation}: error texts"))
-        raise ContractError("ranks disagree on whether an error occurred")  # pragma: no cover - records misread
-    if judge is not None:
-        refuse(judge(rows))
+        if any(r[ERROR] for r in rows):
+            _raise_first_error(comm.allgather_obj(error, f"{operation}: error texts"))
+            raise ContractError("ranks disagree on whether an error occurred")  # pragma: no cover - records misread
+        refuse(None if judge is None else judge(rows))
+        raise ContractError("ranks sent records that disagree")  # pragma: no cover - a judge that finds nothing
     return rows
 
 

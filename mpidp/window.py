@@ -51,14 +51,15 @@ class Slots:
         self.sizes = tuple(g.info.size for g in self.groups)
         #: presence words of a window record
         self.words = (len(self.groups) + 63) // 64
-        self._complete = self._pack([True] * len(self.groups))
+        #: the presence words of a rank that has every gradient (the usual window)
+        self.complete = self._pack([True] * len(self.groups))
 
     def __len__(self) -> int:
         return len(self.groups)
 
     def presence(self, present: list[bool]) -> np.ndarray:
         """The presence words of a window record: bit ``i`` set when slot ``i`` has a gradient."""
-        return self._complete if all(present) else self._pack(present)  # every gradient: the usual window
+        return self.complete if all(present) else self._pack(present)
 
     def _pack(self, present: list[bool]) -> np.ndarray:
         out = np.zeros(self.words, dtype=np.uint64)
@@ -86,7 +87,7 @@ class Transport(NamedTuple):
 class Cache:
     """What reduce reuses from window to window; a window that raises keeps no gradient arrays.
 
-    * ``accepted``: name -> (weak reference, fingerprint, slot, flat entry or None) of every gradient
+    * ``accepted``: name -> (weak reference, fingerprint, slot, its Given if it is flat storage) of every gradient
       of the last window that passed the checks: the same objects, unchanged, pass again without a
       second look (weak, so that a caller who allocates new gradients every window does not keep the
       old ones alive); ``serial`` counts the sets accepted, ``again`` says this window's set is the last
@@ -98,7 +99,7 @@ class Cache:
     """
 
     def __init__(self) -> None:
-        self.accepted: dict[str, tuple[Any, tuple[Any, ...], int, Any]] = {}
+        self.accepted: dict[str, tuple[Any, tuple[Any, ...], int, Given | None]] = {}
         self.serial = 0
         self.again = False
         self.program: tuple[Plan, int, tuple[Step, ...], dict[str, Any]] | None = None
@@ -173,13 +174,15 @@ def _problem(name: str, g: Any, p: arrays.ArrayInfo) -> str | None:
 
 def _accept(cache: Cache, given: Sequence[Given | None]) -> None:
     """Remember the accepted gradients, so that the same arrays pass the next window without a look."""
-    accepted = {}
+    accepted: dict[str, tuple[Any, tuple[Any, ...], int, Given | None]] = {}
     try:
         for i, x in enumerate(given):
             if x is None:
                 continue
-            flat = None if x.prepared is None or cache.flat is None else cache.flat.slots[i]
-            accepted[x.name] = (weakref.ref(x.array), arrays.fingerprint(x.array) if flat is None else flat[1], i, flat)
+            if x.prepared is None or cache.flat is None:  # a caller's array: its view is made again (held weakly)
+                accepted[x.name] = (weakref.ref(x.array), arrays.fingerprint(x.array), i, None)
+            else:  # mpidp's own flat storage: the session holds it anyway, Given and all
+                accepted[x.name] = (weakref.ref(x.array), cache.flat.slots[i][1], i, x)
         cache.accepted = accepted
     except TypeError:  # an array type without weak references: checked in full every window
         cache.accepted = {}
@@ -196,11 +199,8 @@ def _accepted_again(grads: Mapping[str, Any], cache: Cache, given: list[Given | 
         if entry is None or entry[0]() is not g or fingerprint(g) != entry[1]:
             given[:] = [None] * len(given)
             return False
-        index, flat = entry[2], entry[3]
-        if flat is None:  # a caller's array: only its view is needed again
-            given[index] = Given(name, g, arrays.view(g), None)
-        else:  # mpidp's own flat storage, unchanged since its fingerprint was taken
-            given[index] = Given(name, g, flat[2], flat[3])
+        kept = entry[3]  # mpidp's own flat storage, unchanged since its fingerprint was taken
+        given[entry[2]] = kept if kept is not None else Given(name, g, arrays.view(g), None)
     return True
 
 

@@ -128,7 +128,7 @@ def agree_window(rows: list[dict[str, Any]]) -> list[list[int]]:
     results = []
 
     def run(rank: int) -> None:
-        results.append(agree(Table(rank, frames, [texts]), frames[rank].copy(), texts[rank], "reduce", judge))
+        results.append(agree(Table(rank, frames, [texts]), frames[rank].copy(), texts[rank], "reduce", judge, Window.AGREED))
 
     every = outcomes(len(rows), run)
     assert all(o == every[0] for o in every), every
@@ -171,7 +171,7 @@ def test_agree_raises_the_same_error_on_every_rank(rows: list[dict[str, Any]], m
 def test_texts_are_fetched_only_when_a_rank_reported_an_error() -> None:
     frames = window_frames([{}, {}])
     comm = Table(0, frames, [])
-    agree(comm, frames[0].copy(), None, "reduce (window 1): exchange", Window.judge(MissingGradientPolicy))
+    agree(comm, frames[0].copy(), None, "reduce (window 1): exchange", Window.judge(MissingGradientPolicy), Window.AGREED)
     assert comm.calls == ["reduce (window 1): exchange"]  # one small Allgather, no pickles
 
 

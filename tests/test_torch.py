@@ -519,6 +519,21 @@ def test_broadcast_buffers_refuses_buffers_that_changed_on_one_rank(comm: MPI.Co
         assert buffers(model) == before
 
 
+@pytest.mark.mpi(min_size=2)
+def test_broadcast_buffers_on_one_rank_and_reduce_on_the_others_raise_everywhere(comm: MPI.Comm) -> None:
+    """One session, one communicator: ranks out of step between the two are told so, not left waiting."""
+    model = BatchNormNet(0)
+    with mpidp.torch.DataParallel(model, comm) as dp:
+        last = comm.size - 1
+        call = dp.broadcast_buffers if comm.rank == last else (lambda: dp.reduce(local_weight=1, policy=ZERO))
+        same_error_everywhere(
+            comm, call, ContractError, f"ranks are in different mpidp operations: rank 0 in reduce, rank {last} in broadcast_buffers"
+        )
+        dp.broadcast_buffers()  # in step again: the session is still usable
+        assert dp._core._comm.comm.Compare(comm) == MPI.CONGRUENT  # the one duplicate the adapter uses
+        assert not hasattr(dp, "_comm") and not hasattr(dp, "_watchdog")  # and none of its own
+
+
 class SharedBuffers(nn.Module):
     """Two buffer names, one tensor (``shared``) or two."""
 

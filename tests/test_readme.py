@@ -540,36 +540,60 @@ def test_sbatch_template_is_well_formed() -> None:
         assert any(d.split()[1].startswith(option) for d in directives), f"the template does not show {option}"
 
 
+#: what a stand-in python prints for ``python -m mpi4py --mpi-lib-version`` as Open MPI does: a NUL byte, two lines
+OPEN_MPI_VERSION = "Open MPI v5.0.8, package: Open MPI builder Distribution, ident: 5.0.8, repo rev: v5.0.8\\0\\nMPI 4.1\\n"
+
+
 @pytest.mark.mpi_skip
-@pytest.mark.parametrize("override", [None, "pmix"])
-def test_sbatch_template_launches_the_example(tmp_path: Path, override: str | None) -> None:
-    """Run the template with a recording ``srun`` and a stand-in environment holding this python."""
+@pytest.mark.parametrize(("override", "library"), [(None, None), ("pmix", None), (None, "Open MPI")])
+def test_sbatch_template_launches_the_example(tmp_path: Path, override: str | None, library: str | None) -> None:
+    """Run the template with a recording ``srun`` and a stand-in environment holding this python.
+
+    With ``library="Open MPI"`` the stand-in python reports Open MPI's version string (NUL byte included): the
+    template must pick pmix, set PMIX_MCA_psec, and print the version's first line without a bash warning.
+    """
     bin_dir = tmp_path / "bin"
     venv = tmp_path / "venv"
     bin_dir.mkdir()
     (venv / "bin").mkdir(parents=True)
-    (venv / "bin" / "python").symlink_to(sys.executable)
+    fake = f'if [ "$*" = "-m mpi4py --mpi-lib-version" ]; then printf "{OPEN_MPI_VERSION}"; exit 0; fi\n' if library else ""
+    (venv / "bin" / "python").write_text(f'#!/bin/sh\n{fake}exec "{sys.executable}" "$@"\n')
+    (venv / "bin" / "python").chmod(0o755)
     (venv / "bin" / "activate").write_text(f'export PATH="{venv / "bin"}:$PATH"\n')
     log = tmp_path / "srun.log"
     srun = bin_dir / "srun"
-    srun.write_text(f'#!/bin/sh\nprintf "%s\\n" "$@" > "{log}"\necho "MPIDP_TIMEOUT=$MPIDP_TIMEOUT OMP_NUM_THREADS=$OMP_NUM_THREADS" >> "{log}"\n')
+    srun.write_text(
+        f'#!/bin/sh\nprintf "%s\\n" "$@" > "{log}"\n'
+        f'echo "MPIDP_TIMEOUT=$MPIDP_TIMEOUT OMP_NUM_THREADS=$OMP_NUM_THREADS PMIX_MCA_psec=$PMIX_MCA_psec" >> "{log}"\n'
+    )
     srun.chmod(0o755)
     env = _clean_env()
     env.update(
         PATH=f"{bin_dir}{os.pathsep}{env['PATH']}", MPIDP_VENV=str(venv), SLURM_SUBMIT_DIR=str(ROOT),
         SLURM_JOB_NUM_NODES="2", SLURM_NTASKS="8", SLURM_CPUS_PER_TASK="8",
+        PYTHONUNBUFFERED="1",  # inherited from a login shell, it made `... --mpi-lib-version | head -n 1` raise BrokenPipeError
     )
     env.pop("MPIDP_TIMEOUT", None)
+    env.pop("PMIX_MCA_psec", None)
     if override:
         env["MPIDP_SRUN_MPI"] = override
     result = _run(["bash", str(SBATCH), "--steps", "3"], tmp_path, env)
     assert result.returncode == 0, result.stderr
-    expected = override or ("pmix" if "Open MPI" in MPI.Get_library_version() else "pmi2")
+    assert result.stderr == "", result.stderr  # no BrokenPipeError, no "ignored null byte in input"
+    version = OPEN_MPI_VERSION.split("\\0")[0] if library else MPI.Get_library_version().replace("\0", "").splitlines()[0]
+    expected = override or ("pmix" if "Open MPI" in (library or MPI.Get_library_version()) else "pmi2")
     assert log.read_text().splitlines() == [
         f"--mpi={expected}", "--cpus-per-task=8", "python", "-m", "mpi4py", "-m", "mpidp.examples.charlm", "--steps", "3",
-        "MPIDP_TIMEOUT=900 OMP_NUM_THREADS=8",
+        f"MPIDP_TIMEOUT=900 OMP_NUM_THREADS=8 PMIX_MCA_psec={'native' if expected == 'pmix' else ''}",
     ]
-    assert f"srun --mpi={expected}" in result.stdout and "8 rank(s)" in result.stdout
+    assert result.stdout.splitlines() == [f"mpidp: 2 node(s), 8 rank(s), srun --mpi={expected}, {version.strip()}"]
+
+
+def test_sbatch_template_shows_a_one_node_submission() -> None:
+    """The 2-node default stays PENDING forever on a small cluster: the header shows how to ask for one node."""
+    header = SBATCH.read_text().split("set -euo pipefail")[0]
+    assert re.search(r"^#\s+sbatch -N1 --ntasks-per-node=\d+ --cpus-per-task=\d+ scripts/slurm/train.sbatch", header, re.MULTILINE)
+    assert "137" in header and "PENDING" in header
 
 
 def test_version_is_defined_once_where_the_readme_says() -> None:

@@ -10,7 +10,7 @@ import pytest
 from mpi4py import MPI
 
 from mpidp import CollectiveError
-from mpidp.comm import Communicator, loads
+from mpidp.comm import Communicator, duplicate, loads, world
 
 
 def test_loads_admits_plain_data() -> None:
@@ -24,7 +24,14 @@ def test_loads_refuses_any_global(obj: object) -> None:
         loads(pickle.dumps(obj))
 
 
-def test_allgather_obj_and_buffers(comm: MPI.Comm) -> None:
+@pytest.fixture(params=["self", "world"])
+def either(request: pytest.FixtureRequest) -> MPI.Comm:
+    """The same test on COMM_SELF (a world of one on every rank) and on COMM_WORLD."""
+    return MPI.COMM_SELF if request.param == "self" else MPI.COMM_WORLD
+
+
+def test_allgather_obj_and_buffers(either: MPI.Comm) -> None:
+    comm = either
     c = Communicator(comm)
     try:
         assert c.comm != comm and c.comm.Compare(comm) == MPI.CONGRUENT
@@ -38,11 +45,21 @@ def test_allgather_obj_and_buffers(comm: MPI.Comm) -> None:
         c.close()
 
 
-def test_mpi_failure_is_a_collective_error_with_the_mpi_cause(comm: MPI.Comm) -> None:
-    c = Communicator(comm)
+def test_mpi_failure_is_a_collective_error_with_the_mpi_cause(either: MPI.Comm) -> None:
+    c = Communicator(either)
     try:
         with pytest.raises(CollectiveError, match="Bcast failed on rank") as info:
             c.Bcast(np.zeros(3, np.float32), root=c.size + 5)  # an invalid root, caught by MPI on every rank
         assert isinstance(info.value.__cause__, MPI.Exception)
     finally:
         c.close()
+
+
+def test_duplicate_refuses_what_is_not_a_communicator() -> None:
+    with pytest.raises(TypeError, match="comm must be an mpi4py communicator, got list"):
+        duplicate([])  # type: ignore[arg-type]
+
+
+def test_world_reports_this_process() -> None:
+    w = world()
+    assert (w.rank, w.size) == (MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()) and w.library

@@ -18,7 +18,7 @@ Needs root, ``ip`` (iproute2) and ``unshare`` (util-linux); without them it
 says why and exits 0 with "skipped" (so a test run elsewhere is not a failure),
 or 77 with ``--strict-skip``.
 
-    multihost.py run [--hosts N] [--ppn K] [--rate 10gbit --delay 25us] [--timeout S] -- CMD ...
+    multihost.py run [--hosts N] [--ppn K] [--rate 10gbit [--delay 25us]] [--timeout S] -- CMD ...
     multihost.py test [options] -- [N_HOSTS] [pytest args ...]   # what scripts/test-multihost runs
 
 Standard library only; run with the Python of the virtual environment whose
@@ -69,7 +69,54 @@ def why_not() -> str | None:
     if made.returncode != 0:
         return f"cannot create a network namespace: {made.stderr.strip() or made.returncode}"
     subprocess.run(["ip", "netns", "del", probe], capture_output=True, check=False)
+    tried = subprocess.run(["unshare", "--uts", "--mount", "true"], capture_output=True, text=True, check=False)
+    if tried.returncode != 0:
+        return f"cannot create UTS and mount namespaces: {tried.stderr.strip() or tried.returncode}"
     return None
+
+
+def shaping(rate: str | None, delay: str | None) -> list[str]:
+    """The qdisc of a shaped link: netem with a delay (and rate), or tbf for a rate alone (kernels without netem)."""
+    if delay:
+        return ["netem", "limit", "100000", "delay", delay, *(["rate", rate] if rate else [])]
+    assert rate is not None
+    bits = _bits_per_second(rate)
+    # a burst of 1 ms of traffic, at least 256 KiB: a veth sends segments of up to 64 KiB (GSO), and tbf drops
+    # a packet larger than its burst; a queue of 400 ms (50 MB at 1 Gbit/s) so that TCP is slowed, not made to
+    # retransmit (with 50 ms, a 16 MiB message at 1 Gbit/s took twice its time)
+    burst = max(bits // 8 // 1000, 256 << 10)
+    return ["tbf", "rate", rate, "burst", str(burst), "latency", "400ms"]
+
+
+def _bits_per_second(rate: str) -> int:
+    units = {"kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12, "bit": 1}
+    text = rate.strip().lower()
+    for unit, scale in units.items():
+        if text.endswith(unit) and text[: -len(unit)].replace(".", "", 1).isdigit():
+            return int(float(text[: -len(unit)]) * scale)
+    raise ValueError(f"rate must be a number and one of {', '.join(units)} (e.g. 10gbit), got {rate!r}")
+
+
+def why_no_shaping(rate: str | None, delay: str | None) -> str | None:
+    """Return why this kernel cannot shape links as asked (tried on a throwaway veth), or None."""
+    if not rate and not delay:
+        return None
+    if shutil.which("tc") is None:
+        return "needs `tc` (iproute2) to shape links"
+    probe = f"{PREFIX}{os.getpid()}-tc"
+    subprocess.run(["ip", "netns", "add", probe], capture_output=True, check=True)
+    try:
+        subprocess.run(["ip", "-n", probe, "link", "add", "va", "type", "veth", "peer", "name", "vb"], capture_output=True,
+                       check=True)
+        tried = subprocess.run(["tc", "-n", probe, "qdisc", "add", "dev", "va", "root", *shaping(rate, delay)],
+                               capture_output=True, text=True, check=False)
+    finally:
+        subprocess.run(["ip", "netns", "del", probe], capture_output=True, check=False)
+    if tried.returncode == 0:
+        return None
+    kind = "netem" if delay else "tbf"
+    return f"cannot shape links with tc {kind} here ({tried.stderr.strip()})" + (
+        "; this kernel lacks sch_netem: a delay cannot be simulated, a rate alone can (tbf)" if delay else "")
 
 
 def mpiexec_path() -> str:
@@ -141,9 +188,8 @@ class Cluster:
             self._ip("-n", ns, "link", "set", "eth0", "up")
             if self.rate or self.delay:
                 # the host's NIC: its egress is shaped, so a message between two hosts pays the delay once
-                netem = ["tc", "-n", ns, "qdisc", "add", "dev", "eth0", "root", "netem", "limit", "100000"]
-                netem += (["delay", self.delay] if self.delay else []) + (["rate", self.rate] if self.rate else [])
-                subprocess.run(netem, check=True, capture_output=True, text=True)
+                subprocess.run(["tc", "-n", ns, "qdisc", "add", "dev", "eth0", "root", *shaping(self.rate, self.delay)],
+                               check=True, capture_output=True, text=True)
         hosts = "127.0.0.1 localhost\n" + "".join(f"{a} {h}\n" for a, h in zip(self.addresses, self.hostnames))
         (self.dir / "hosts").write_text(hosts)
         enter = self.dir / "enter"
@@ -269,8 +315,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("run", "test"):
         p = sub.add_parser(name)
         p.add_argument("--ppn", type=int, default=2, help="ranks per host (default 2)")
-        p.add_argument("--rate", help="tc netem rate of every host's link, e.g. 10gbit")
-        p.add_argument("--delay", help="tc netem one-way delay, e.g. 25us")
+        p.add_argument("--rate", help="rate of every host's link (its egress), e.g. 10gbit: tc tbf, or netem with --delay")
+        p.add_argument("--delay", help="one-way delay of every host's link, e.g. 25us (tc netem; needs sch_netem)")
         p.add_argument("--timeout", type=float, default=600.0,
                        help="watchdog: seconds before the job and everything in the hosts is ended (default 600)")
         p.add_argument("--netmod", choices=("ucx", "ofi"), default="ucx",
@@ -296,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
         extra = {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "tests" / "multihost"), os.environ.get("PYTHONPATH")]))}
     if hosts < 2 and opts.what == "test":
         parser.error(f"N_HOSTS must be at least 2, got {hosts}")
-    reason = why_not()
+    reason = why_not() or why_no_shaping(opts.rate, opts.delay)
     if reason is not None:
         return skip(reason, opts.strict_skip)
     for sig in (signal.SIGTERM, signal.SIGHUP):

@@ -74,6 +74,9 @@ CONFIGS: list[tuple[str, int, int, str | None, str | None]] = [
 SIZES = [8, 64, 512, 4 << 10, 32 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20]
 SET_NAME = "gpt2-4x256"
 SET_LAYOUT = gradsets.gpt2(layers=4, width=256, vocab=8192, context=512)
+#: --quick (a smoke run of seconds, for the tests): fewer sizes, a set of 0.1 M parameters
+QUICK_SIZES = [8, 4 << 10, 256 << 10, 1 << 20]
+QUICK_SET = ("gpt2-1x64", gradsets.gpt2(layers=1, width=64, vocab=1024, context=64))
 
 
 def log(msg: str) -> None:
@@ -146,13 +149,13 @@ def rsag(n: int, chunk_bytes: int, gather_16: bool) -> tuple[bench.Fn, list[np.n
     return run, bufs
 
 
-def bench_set(reps: int, target: float) -> dict[str, Any]:
+def bench_set(name: str, layout: list[tuple[str, tuple[int, ...]]], reps: int, target: float) -> dict[str, Any]:
     """mpidp and the reduce-scatter + allgather limits against the chunked fp32 Allreduce; collective."""
-    n = gradsets.count(SET_LAYOUT)
+    n = gradsets.count(layout)
     limit_buf = np.zeros(n, np.float32)
     limit = bench.raw_allreduce(limit_buf, DEFAULT_CHUNK_BYTES)
     inner = bench.inner_for(bench.timed(limit, 1), target)
-    out: dict[str, Any] = {"name": SET_NAME, "tensors": len(SET_LAYOUT), "parameters": n, "fp32_bytes": 4 * n,
+    out: dict[str, Any] = {"name": name, "tensors": len(layout), "parameters": n, "fp32_bytes": 4 * n,
                            "chunk_bytes": DEFAULT_CHUNK_BYTES, "limit": "raw fp32 Allreduce in chunk_bytes chunks",
                            "variants": {}}
 
@@ -170,7 +173,7 @@ def bench_set(reps: int, target: float) -> dict[str, Any]:
         record("raw_rs_ag16" if gather_16 else "raw_rs_ag", label,
                bench.paired(limit, fn, reps, 1, inner, bench.reset_values(bufs), zero_limit))
     for mix in ("fp32", "mixed"):
-        params = bench.random_arrays(SET_LAYOUT, mix, 3000 + COMM.rank)
+        params = bench.random_arrays(layout, mix, 3000 + COMM.rank)
         with mpidp.DataParallel.initialize(params, COMM) as dp:
             grads = dp.gradient_buffers()
             fn = bench.mpidp_reduce(dp, grads)
@@ -181,13 +184,15 @@ def bench_set(reps: int, target: float) -> dict[str, Any]:
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     hosts = COMM.allgather(MPI.Get_processor_name())
-    peer = next((r for r, h in enumerate(hosts) if h != hosts[0]), None)
+    # the first rank on another host; on one host (a smoke run), rank 1
+    peer = next((r for r, h in enumerate(hosts) if h != hosts[0]), 1 if COMM.size > 1 else None)
     result: dict[str, Any] = {
         "meta": {
             "label": args.label,
             "command": " ".join(["python -m mpi4py benchmarks/netbench.py", *sys.argv[1:]]),
             "world_size": COMM.size,
             "hosts": hosts,
+            "pingpong_peer": peer,
             "link": {"rate": args.rate, "delay": args.delay},
             "netmod": os.environ.get("MPIR_CVAR_CH4_NETMOD", "default"),
             "machine": bench.machine(),
@@ -197,12 +202,13 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     }
     log(f"== {args.label}: {COMM.size} ranks on {len(set(hosts))} hosts; ping-pong rank 0 <-> rank {peer}")
     result["reduce_local_seconds_per_byte"] = reduce_local()
-    result["pingpong"] = {} if peer is None else {str(s): pingpong(s, peer, args.reps, args.target) for s in SIZES}
-    result["allreduce"] = {str(s): allreduce(s, args.reps, args.target) for s in SIZES}
-    for s in SIZES:
+    sizes = QUICK_SIZES if args.quick else SIZES
+    result["pingpong"] = {} if peer is None else {str(s): pingpong(s, peer, args.reps, args.target) for s in sizes}
+    result["allreduce"] = {str(s): allreduce(s, args.reps, args.target) for s in sizes}
+    for s in sizes:
         pp = result["pingpong"].get(str(s), {}).get("min", float("nan"))
         log(f"   {s:>9} B  ping-pong {pp * 1e6:10.1f} us   Allreduce {result['allreduce'][str(s)]['min'] * 1e6:10.1f} us (minima)")
-    result["set"] = bench_set(args.reps, args.target)
+    result["set"] = bench_set(*(QUICK_SET if args.quick else (SET_NAME, SET_LAYOUT)), args.reps, args.target)
     result["meta"]["load_average_end"] = os.getloadavg()
     return result
 
@@ -257,8 +263,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "multihost"))
     p.add_argument("--reps", type=int, default=5, help="timings per point (medians), paired repetitions per variant")
     p.add_argument("--target", type=float, default=0.02, help="seconds one timing should last")
+    p.add_argument("--quick", action="store_true", help="a smoke run of seconds: fewer sizes, a tiny set, 2 timings")
     p.add_argument("--netmod", choices=("ucx", "ofi"), default="ucx", help="campaign: MPICH netmod for TCP")
     args = p.parse_args(argv)
+    if args.quick:
+        args.reps, args.target = 2, 0.002
     if args.campaign:
         return campaign(Path(args.campaign), args.reps, args.target, args.netmod)
     result = measure(args)

@@ -133,11 +133,11 @@ def report(runs: dict[str, dict[str, Any]], compute: dict[str, float], alpha_fab
     gamma = statistics.median(f["gamma"] for f in fits.values())
     delta = statistics.median(f["delta"] for f in fits.values())
     out += ["", f"## Predictions: one window's gradient synchronisation, alpha = {alpha_fabric * 1e6:g} us, beta = 8 / link rate", "",
-            f"Algorithm columns: network-bound (gamma = {GAMMA_DEVICE * 1e9:g} ns/B, a sum in GPU memory). "
+            (f"Algorithm columns: network-bound (gamma = {GAMMA_DEVICE * 1e9:g} ns/B, a sum in GPU memory). "
             f"Efficiency = compute / (compute + synchronisation), nothing overlapped: *device* with RS+AG in 4 MiB chunks "
             f"(what a CUDA-aware MPI gives mpidp), *16-bit AG* the same with a bf16 allgather (issue 20), *host* with "
             f"this machine's fitted CPU costs added (gamma {gamma * 1e9:.3f} ns/B for MPI's sum, delta {delta * 1e9:.3f} ns/B "
-            f"for mpidp's upcast, divide and cast), as mpidp runs on host memory today.", ""]
+            f"for mpidp's upcast, divide and cast), as mpidp runs on host memory today."), ""]
     for name, params in SETS.items():
         n = 4 * params
         c = compute[name]

@@ -167,7 +167,7 @@ class Cluster:
         self.made.append(name)
         self._ip("-n", name, "link", "set", "lo", "up")
 
-    def __enter__(self) -> Cluster:
+    def __enter__(self) -> Cluster:  # noqa: PYI034 - Self needs Python 3.11
         try:
             self._build()
         except BaseException:

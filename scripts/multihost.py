@@ -75,6 +75,35 @@ def why_not() -> str | None:
     return None
 
 
+def reap_stale() -> list[str]:
+    """Remove what an earlier run left when it was killed with SIGKILL: namespaces of a dead ``mpdh<pid>``.
+
+    Only names of this tool (``mpdh<pid>-...``) whose process no longer runs are touched; returns them.
+    """
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=False).stdout
+    stale = []
+    for line in listed.splitlines():
+        name = line.split()[0] if line.split() else ""
+        pid = name[len(PREFIX):].split("-", 1)[0]
+        if not (name.startswith(PREFIX) and "-" in name and pid.isdigit()) or Path("/proc", pid).exists():
+            continue
+        pids = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True, check=False).stdout.split()
+        for p in pids:
+            try:
+                os.kill(int(p), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        subprocess.run(["ip", "netns", "del", name], capture_output=True, check=False)
+        stale.append(name)
+    for folder in Path(tempfile.gettempdir()).glob(f"{PREFIX}*-*"):
+        pid = folder.name[len(PREFIX):].split("-", 1)[0]
+        if pid.isdigit() and not Path("/proc", pid).exists() and (folder / "enter").exists():
+            shutil.rmtree(folder, ignore_errors=True)
+    if stale:
+        log(f"removed {len(stale)} namespaces left by killed runs: {' '.join(stale)}")
+    return stale
+
+
 def shaping(rate: str | None, delay: str | None) -> list[str]:
     """The qdisc of a shaped link: netem with a delay (and rate), or tbf for a rate alone (kernels without netem)."""
     if delay:
@@ -347,6 +376,7 @@ def main(argv: list[str] | None = None) -> int:
         return skip(reason, opts.strict_skip)
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _raise_on_signal)
+    reap_stale()
     with Cluster(hosts, opts.rate, opts.delay) as cluster:
         argv = cluster.mpiexec(command, opts.ppn, opts.netmod, extra)
         log(f"{opts.ppn * hosts} ranks, {opts.ppn} per host, TCP via {opts.netmod}, watchdog {opts.timeout:g} s")

@@ -212,6 +212,21 @@ def test_watchdog_ends_a_hung_job_and_removes_everything(driver: ModuleType) -> 
     assert seconds < 5 + 20, f"took {seconds:.1f} s"
 
 
+@serial
+def test_namespaces_of_a_killed_run_are_removed_by_the_next(driver: ModuleType) -> None:
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+    left = f"{driver.PREFIX}{dead}-h0"
+    subprocess.run(["ip", "netns", "add", left], check=True)
+    try:
+        code, out, _ = _hosts(["run", "--", "true"])
+        assert code == 0, out
+        assert f"namespaces left by killed runs: {left}" in out, out
+        assert left not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
+    finally:
+        subprocess.run(["ip", "netns", "del", left], capture_output=True, check=False)
+
+
 def _fault_job(mode: str) -> tuple[int, str, float]:
     """The fault script of test_faults.py on 2 hosts x 2 ranks; seconds from the fault to the end."""
     code, out, _ = _hosts(["run", "--", sys.executable, str(ROOT / "tests" / "faults" / "train.py"), mode])

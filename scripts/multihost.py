@@ -13,7 +13,9 @@ transport by default, libfabric's tcp provider with ``--netmod ofi``); ranks
 on one host still share memory with each other, as on a real node.
 
 Everything made is removed on every way out: normal exit, error, Ctrl-C,
-SIGTERM, and the watchdog (``--timeout``) that ends a job that hangs.
+SIGTERM, and the watchdog (``--timeout``) that ends a job that hangs; what a
+run killed with SIGKILL leaves, the next run removes. Links are shaped with
+``--rate`` (tc tbf) and ``--delay`` (tc netem, where the kernel has it).
 Needs root, ``ip`` (iproute2) and ``unshare`` (util-linux); without them it
 says why and exits 0 with "skipped" (so a test run elsewhere is not a failure),
 or 77 with ``--strict-skip``.
@@ -47,7 +49,7 @@ SUBNET = "10.231.0"
 #: exit code of a job the watchdog ended (as timeout(1))
 TIMED_OUT = 124
 SKIPPED = 77
-#: files of the default multi-host test selection: the collective tests (every file that runs under mpiexec)
+#: the default multi-host test selection: the tests directory (tests that cannot run under mpiexec skip themselves)
 DEFAULT_TESTS = ["tests"]
 
 

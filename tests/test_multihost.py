@@ -277,6 +277,22 @@ def test_singletons_spread_over_hosts_are_reported(driver: ModuleType) -> None:
         assert "different MPI" in line, line
 
 
+@serial
+def test_skips_with_the_reason_where_hosts_cannot_be_made() -> None:
+    """Without `ip` on PATH (or, as root, also as an ordinary user): a clear reason, exit 0, or 77 when strict."""
+    script = str(ROOT / "scripts" / "multihost.py")
+    env = clean_env(PATH="/nonexistent")
+    for strict, expected in (([], 0), (["--strict-skip"], 77)):
+        p = subprocess.run([sys.executable, script, "run", *strict, "--", "true"], capture_output=True, text=True,
+                           env=env, timeout=60, check=False)
+        assert p.returncode == expected, p
+        assert re.fullmatch(r"multihost: skipped: needs (root|`ip` on PATH).*\n", p.stdout), p.stdout
+    if os.geteuid() == 0 and Path("/usr/bin/setpriv").exists():
+        p = subprocess.run(["/usr/bin/setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, script,
+                            "test", "--", "2"], capture_output=True, text=True, env=clean_env(), timeout=60, check=False)
+        assert p.returncode == 0 and "multihost: skipped: needs root" in p.stdout, p
+
+
 def test_pytest_command_keeps_the_default_selection_unless_a_path_is_given() -> None:
     module = _driver()
     assert module.pytest_command(["-k", "reduce", "-x"])[-5:] == ["hostsline", "tests", "-k", "reduce", "-x"]

@@ -1,36 +1,61 @@
 #!/usr/bin/env bash
 # Create or refresh the local virtual environment (.venv, or $MPIDP_VENV) and
-# put this checkout on its path. Sourced by scripts/demo and scripts/test;
-# run it directly to set up by hand. Installs, from PyPI: the requirements and
-# the extras named in "$@" as setup.cfg lists them, with PyTorch pinned to
-# torch==2.13.0 (the range in setup.cfg would pull the newest, multi-GB CUDA
-# build; on the development machines the pin resolves to a local CPU wheel).
+# install this checkout into it the way a user does: `pip install -e
+# ".[EXTRAS]"`, with the extras named in "$@" (setup.cfg lists them). Sourced
+# by scripts/demo and scripts/test; run it directly to set up by hand.
+# PyTorch is pinned to torch==2.13.0 here: the range in setup.cfg would pull
+# the newest CUDA build and its nvidia packages, several GB. A torch 2.13.0
+# already in the environment (e.g. the CPU build, docs/install.md) is kept.
+# pip runs again only when setup.cfg, pyproject.toml, the version or the
+# extras change.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 venv=${MPIDP_VENV:-$root/.venv}
 if [ ! -x "$venv/bin/python" ]; then
+  echo "mpidp: creating the virtual environment $venv" >&2
   "${PYTHON:-python3}" -m venv "$venv"
 fi
 py="$venv/bin/python"
-extras=("$@")
-mapfile -t reqs < <("$py" - "$root/setup.cfg" "${extras[@]}" <<'PY'
+extras=$(IFS=,; echo "$*")
+requirements=("$root${extras:+[$extras]}")
+case ",$extras," in *,torch,*) requirements+=("torch==2.13.0") ;; esac
+# the stamp: a checksum of the package metadata, then the extras installed with it
+stamp="$venv/.mpidp-install"
+want=$(cat "$root/setup.cfg" "$root/pyproject.toml" "$root/mpidp/__init__.py" <(echo "$root") | cksum)
+have=()
+missing=1
+if [ "$(head -n 1 "$stamp" 2>/dev/null)" = "$want" ]; then
+  mapfile -t have < <(tail -n +2 "$stamp")
+  missing=0
+fi
+for extra in "$@"; do
+  case " ${have[*]} " in *" $extra "*) ;; *) missing=1 ;; esac
+done
+if [ "$missing" = 1 ] || ! "$py" -I -c "import mpidp" 2>/dev/null; then
+  echo "mpidp: installing into $venv (first run, or the package metadata changed; may take minutes):" >&2
+  "$py" - "$root/setup.cfg" "$@" >&2 <<'PY'
 import configparser, sys
 cfg = configparser.ConfigParser()
 cfg.read(sys.argv[1])
 lines = cfg["options"]["install_requires"].split("\n")
 for extra in sys.argv[2:]:
     lines += cfg["options.extras_require"][extra].split("\n")
-for line in lines:
-    line = line.strip()
-    # the test and demo set-up pins torch: a range would pull a multi-GB CUDA build
-    if line.startswith("torch"):
-        line = "torch==2.13.0"
-    if line:
-        print(line)
+shown = list(dict.fromkeys(line.strip() for line in lines if line.strip()))
+shown = ["torch==2.13.0 (CPU or CUDA build: docs/install.md)" if s.startswith("torch") else s for s in shown]
+print("mpidp:   mpidp (editable, from this checkout), " + ", ".join(shown))
 PY
-)
-"$py" -m pip install -q --disable-pip-version-check "${reqs[@]}" 2>&1 | grep -v "^WARNING: Location" >&2 || true
-"$py" -c "import mpi4py, numpy, ml_dtypes" # fail here, not later, if the install did not work
-site=$("$py" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
-echo "$root" > "$site/mpidp-checkout.pth"
+  rm -f "$stamp"
+  set +e
+  "$py" -m pip install -q --disable-pip-version-check -e "${requirements[@]}" 2>&1 | grep -v "^WARNING: Location" >&2
+  status=${PIPESTATUS[0]}
+  set -e
+  if [ "$status" != 0 ]; then
+    echo "mpidp: pip install failed (exit $status)" >&2
+    (exit "$status")
+  fi
+  "$py" -I -c "import mpi4py, numpy, ml_dtypes, mpidp" # fail here, not later, if the install did not work
+  printf "%s\n" "$want" "${have[@]}" "$@" | awk '!seen[$0]++' > "$stamp"
+fi
+# a checkout path written by earlier versions of this script: the editable install replaces it
+rm -f "$("$py" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/mpidp-checkout.pth"
 export PATH="$venv/bin:$PATH"

@@ -97,7 +97,7 @@ def test_quick_run_prints_the_table_and_draws_the_chart(quick: tuple[dict[str, A
 
 
 def test_readme_shows_the_committed_results() -> None:
-    """README's Performance tables are generated from the committed runs, one table per folder, never typed by hand.
+    """docs/performance.md's tables are generated from the committed runs, one table per folder, never typed by hand.
 
     ``benchmarks/results/runs`` holds the latest batch; ``runs-*`` folders keep
     earlier batches (another machine, an earlier version) next to it.
@@ -107,8 +107,8 @@ def test_readme_shows_the_committed_results() -> None:
 
     folders = sorted(p for p in (ROOT / "benchmarks" / "results").glob("runs*") if p.is_dir())
     assert folders and folders[0].name == "runs", "no committed benchmark results"
-    readme = (ROOT / "README.md").read_text()
-    assert readme.count("<!-- bench-table:start") == len(folders), "one README table per folder of runs"
+    readme = (ROOT / "docs" / "performance.md").read_text()
+    assert readme.count("<!-- bench-table:start") == len(folders), "one table in docs/performance.md per folder of runs"
     for folder in folders:
         results = sorted(folder.glob("*.json"))
         assert results, f"no results in {folder}"

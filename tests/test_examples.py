@@ -1,6 +1,14 @@
-"""The shipped examples run and learn (in-process, on whatever world pytest runs in)."""
+"""The shipped examples run and learn (in-process, on whatever world pytest runs in), and talk once per job."""
 
 from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import clean_env
+from mpi4py import MPI
 
 from mpidp.examples import logreg
 
@@ -8,3 +16,17 @@ from mpidp.examples import logreg
 def test_logreg_learns() -> None:
     loss = logreg.main(["--steps", "60"])
     assert loss < 0.45  # the untrained loss is about 2
+
+
+@pytest.mark.skipif(MPI.COMM_WORLD.Get_size() > 1, reason="starts its own MPI job")
+@pytest.mark.parametrize(("argv", "status", "printed"), [(["--help"], 0, "usage:"), (["--steps", "x"], 2, "error:")])
+def test_argparse_output_is_printed_once_per_job(argv: list[str], status: int, printed: str) -> None:
+    """--help and argument errors: printed by one rank, not by each of the 3; every rank stops."""
+    mpiexec = str(Path(sys.executable).with_name("mpiexec"))
+    p = subprocess.run(
+        [mpiexec, "-n", "3", sys.executable, "-m", "mpi4py", "-m", "mpidp.examples.logreg", *argv],
+        check=False, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=60, env=clean_env(),
+    )
+    assert p.returncode == status, p.stdout
+    assert p.stdout.count(printed) == 1 and p.stdout.count("usage:") == 1, p.stdout
+    assert "step" not in p.stdout.replace("--steps", "").replace("STEPS", ""), p.stdout  # nobody trained

@@ -1,4 +1,5 @@
-"""README.md cannot drift from the code: its Python blocks run, its commands, paths, tables and links are checked.
+"""README.md and docs/ cannot drift from the code: their Python blocks run, their commands, paths, tables and links
+are checked, and the README stays short.
 
 A block is tagged by an HTML comment on the line just above its fence::
 
@@ -7,7 +8,7 @@ A block is tagged by an HTML comment on the line just above its fence::
 - ``run``: run in a subprocess, a world of one; ``mpiexec=N``: under
   ``mpiexec -n N python -m mpi4py``; ``torchrun=N``: under ``torchrun
   --standalone --nproc-per-node N``.
-- ``name=X``: a set-up block that other blocks prepend with ``after=X``.
+- ``name=X``: a set-up block that other blocks of the same file prepend with ``after=X``.
 - ``requires=MOD,...``: the block needs these modules. When one is genuinely
   not installed (a third-party package, or an mpidp module another issue is
   still building, listed in PENDING), the block is compiled and the test is
@@ -16,8 +17,10 @@ A block is tagged by an HTML comment on the line just above its fence::
 - ``commands`` on a ``bash`` block: the README's two commands.
 
 Every Python block must be run (or be a named set-up block that is), and
-every tag must be known. These tests start their own MPI jobs, so they run in
-the serial pass only (``mpi_skip``).
+every tag must be known. The blocks of all files run in one job per launcher,
+started before any test of them (outside the per-test watchdog, each job
+under its own time limit). These tests start their own MPI jobs, so they run
+in the serial pass only (``mpi_skip``).
 """
 
 from __future__ import annotations
@@ -45,10 +48,14 @@ from mpidp import launch
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
-#: seconds one README block may run
+#: every file whose blocks run: the README, then docs/
+DOCS = [README, *sorted((ROOT / "docs").glob("*.md"))]
+#: the README's hard size limit, in bytes (`wc -c README.md`)
+README_LIMIT = 15_000
+#: seconds a job may run: this much, plus as much again per block in it
 BLOCK_TIMEOUT = 120
 
-#: modules and files the README documents while another issue builds them: skipped (with this reason) until they exist
+#: modules and files the docs document while another issue builds them: skipped (with this reason) until they exist
 PENDING = {
     "benchmarks/bench.py": "the benchmarks are not committed yet",
 }
@@ -56,12 +63,13 @@ PENDING = {
 API_MODULES = ("mpidp", "mpidp.torch", "mpidp.cuda", "mpidp.launch")
 KNOWN_TAGS = {"run", "mpiexec", "torchrun", "name", "after", "requires", "output", "commands"}
 LAUNCHERS = ("run", "mpiexec", "torchrun")
-#: environment variables of launchers and batch systems, removed from the environment of README blocks
+#: environment variables of launchers and batch systems, removed from the environment of the blocks
 LAUNCHER_PREFIXES = ("PMI_", "PMIX_", "OMPI_", "PRTE_", "SLURM_", "MV2_", "FLUX_", "HYDRA_", "MPI_LOCAL")
 
 
 @dataclasses.dataclass(frozen=True)
 class Block:
+    file: str  # relative to the checkout
     lang: str
     code: str
     line: int  # 1-based line of the opening fence
@@ -69,10 +77,10 @@ class Block:
 
     @property
     def id(self) -> str:
-        return f"README.md:{self.line}"
+        return f"{self.file}:{self.line}"
 
 
-def parse_blocks(text: str) -> list[Block]:
+def parse_blocks(text: str, file: str = "README.md") -> list[Block]:
     """Return every fenced block of ``text`` with the tags of the comment just above it."""
     lines = text.splitlines()
     blocks = []
@@ -86,38 +94,38 @@ def parse_blocks(text: str) -> list[Block]:
         i += 1
         while i < len(lines) and lines[i] != "```":
             i += 1
-        assert i < len(lines), f"README.md:{start + 1}: unclosed code fence"
+        assert i < len(lines), f"{file}:{start + 1}: unclosed code fence"
         tags: dict[str, str] = {}
         above = re.match(r"^<!-- readme-test: (.*) -->$", lines[start - 1]) if start else None
         if above:
             for item in above.group(1).split():
                 key, _, value = item.partition("=")
                 tags[key] = value
-        blocks.append(Block(match.group(1), "\n".join(lines[start + 1 : i]) + "\n", start + 1, tags))
+        blocks.append(Block(file, match.group(1), "\n".join(lines[start + 1 : i]) + "\n", start + 1, tags))
         i += 1
     return blocks
 
 
-def section(title: str) -> str:
-    """Return the text of the ``## title`` section of the README."""
-    text = README.read_text()
-    match = re.search(rf"^## {re.escape(title)}\n(.*?)(?=^## |\Z)", text, re.MULTILINE | re.DOTALL)
-    assert match, f"README.md has no '## {title}' section"
-    return match.group(1)
-
-
-def table(title: str) -> list[list[str]]:
-    """Return the body rows of the first table of a section, as lists of cells."""
-    rows = []
-    for line in section(title).splitlines():
-        if line.startswith("|") and not re.match(r"^\|[-| :]+\|$", line):
+def table(path: Path) -> list[list[str]]:
+    """Return the body rows of the first table of ``path``, as lists of cells."""
+    rows: list[list[str]] = []
+    for line in path.read_text().splitlines():
+        if not line.startswith("|"):
+            if rows:
+                break
+            continue
+        if not re.match(r"^\|[-| :]+\|$", line):
             rows.append([cell.strip() for cell in line.strip("|").split("|")])
-    assert len(rows) > 1, f"no table in '## {title}'"
+    assert len(rows) > 1, f"no table in {path.name}"
     return rows[1:]  # without the header
 
 
-BLOCKS = parse_blocks(README.read_text())
-NAMED = {b.tags["name"]: b for b in BLOCKS if "name" in b.tags}
+def _rel(path: Path) -> str:
+    return str(path.relative_to(ROOT))
+
+
+BLOCKS = [b for path in DOCS for b in parse_blocks(path.read_text(), _rel(path))]
+NAMED = {(b.file, b.tags["name"]): b for b in BLOCKS if "name" in b.tags}
 RUNNABLE = [b for b in BLOCKS if b.lang == "python" and any(k in b.tags for k in LAUNCHERS)]
 SHELL = [b for b in BLOCKS if b.lang in ("bash", "sh", "console", "shell")]
 
@@ -125,8 +133,16 @@ SHELL = [b for b in BLOCKS if b.lang in ("bash", "sh", "console", "shell")]
 # ----------------------------------------------------------------- structure
 
 
+def test_readme_is_short_and_leads_to_the_docs() -> None:
+    size = len(README.read_bytes())
+    assert size <= README_LIMIT, f"README.md is {size} bytes, over its limit of {README_LIMIT}: move detail to docs/"
+    linked = set(re.findall(r"\]\((docs/[\w.-]+\.md)(?:#[\w-]*)?\)", README.read_text()))
+    assert {_rel(p) for p in DOCS[1:]} <= linked, f"docs not linked from README.md: {sorted({_rel(p) for p in DOCS[1:]} - linked)}"
+    assert len(DOCS) >= 8
+
+
 def test_every_block_is_accounted_for() -> None:
-    used = {name for b in BLOCKS for name in b.tags.get("after", "").split(",") if name}
+    used = {(b.file, name) for b in BLOCKS for name in b.tags.get("after", "").split(",") if name}
     for i, b in enumerate(BLOCKS):
         unknown = set(b.tags) - KNOWN_TAGS
         assert not unknown, f"{b.id}: unknown readme-test tag(s) {sorted(unknown)}"
@@ -135,13 +151,17 @@ def test_every_block_is_accounted_for() -> None:
             assert len(launchers) <= 1, f"{b.id}: more than one launcher {launchers}"
             if not launchers:
                 assert "name" in b.tags, f"{b.id}: a Python block that nothing runs; tag it run, mpiexec=N or torchrun=N"
-                assert b.tags["name"] in used, f"{b.id}: set-up block {b.tags['name']!r} is used by no block"
+                assert (b.file, b.tags["name"]) in used, f"{b.id}: set-up block {b.tags['name']!r} is used by no block"
         for name in b.tags.get("after", "").split(","):
-            assert not name or name in NAMED, f"{b.id}: after={name}: no block is named so"
+            assert not name or (b.file, name) in NAMED, f"{b.id}: after={name}: no block of {b.file} is named so"
         if "output" in b.tags:
-            assert i > 0 and BLOCKS[i - 1] in RUNNABLE, f"{b.id}: an output block must follow a block that runs"
-    assert len(RUNNABLE) >= 5
-    assert [b for b in BLOCKS if "commands" in b.tags], "the two commands are not tagged"
+            assert i > 0 and BLOCKS[i - 1] in RUNNABLE and BLOCKS[i - 1].file == b.file, (
+                f"{b.id}: an output block must follow a block that runs"
+            )
+    assert len([b for b in RUNNABLE if b.file == "README.md"]) >= 2
+    assert len(RUNNABLE) >= 12
+    commands = [b for b in BLOCKS if "commands" in b.tags]
+    assert [b.file for b in commands] == ["README.md"], "the two commands are tagged once, in the README"
 
 
 def test_two_commands_and_ci() -> None:
@@ -163,7 +183,7 @@ def test_two_commands_and_ci() -> None:
 
 
 def _paths(code: str) -> set[str]:
-    return set(re.findall(r"(?<![\w/.-])((?:scripts|benchmarks|tests|mpidp|\.ci)/[\w./-]*[\w])", code))
+    return set(re.findall(r"(?<![\w/.-])((?:scripts|benchmarks|tests|mpidp|docs|\.ci)/[\w./-]*[\w])", code))
 
 
 SHELL_PATHS = sorted({p for b in SHELL for p in _paths(b.code)})
@@ -178,7 +198,7 @@ def test_paths_in_shell_blocks_exist(path: str) -> None:
     target = ROOT / path
     if not target.exists() and path in PENDING:
         pytest.skip(f"{path}: {PENDING[path]}")
-    assert target.exists(), f"README names {path}, which does not exist"
+    assert target.exists(), f"the docs name {path}, which does not exist"
     if path.startswith("scripts/"):
         assert os.access(target, os.X_OK), f"{path} is not executable"
 
@@ -202,7 +222,7 @@ def test_modules_in_commands_exist(module: str) -> None:
     if _spec(module) is None:
         if module in PENDING:
             pytest.skip(f"{module}: {PENDING[module]}")
-        pytest.fail(f"README or the sbatch template runs `-m {module}`, which does not exist")
+        pytest.fail(f"the docs or the sbatch template run `-m {module}`, which does not exist")
 
 
 def _slug(heading: str) -> str:
@@ -211,28 +231,34 @@ def _slug(heading: str) -> str:
     return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
 
 
-def test_links_resolve() -> None:
-    text = README.read_text()
-    anchors = {_slug(h) for h in re.findall(r"^#+ (.*)$", text, re.MULTILINE)}
-    links = re.findall(r"\]\(([^)\s]+)\)", text)
-    assert links
+def _anchors(path: Path) -> set[str]:
+    return {_slug(h) for h in re.findall(r"^#+ (.*)$", path.read_text(), re.MULTILINE)}
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=[_rel(p) for p in DOCS])
+def test_links_resolve(doc: Path) -> None:
+    prose = re.sub(r"^```.*?^```$", "", doc.read_text(), flags=re.MULTILINE | re.DOTALL)  # code is no link
+    links = re.findall(r"\]\(([^)\s]+)\)", prose)
+    assert links or doc != README, "README.md links nowhere"
     for link in links:
         if link.startswith(("http://", "https://")):
             continue
-        if link.startswith("#"):
-            assert link[1:] in anchors, f"README links to {link}, which is no heading"
-        else:
-            assert (ROOT / link).exists(), f"README links to {link}, which does not exist"
+        target, _, anchor = link.partition("#")
+        path = (doc.parent / target).resolve() if target else doc
+        assert path.exists(), f"{_rel(doc)} links to {link}, which does not exist"
+        assert path.is_relative_to(ROOT), f"{_rel(doc)} links to {link}, outside the checkout"
+        if anchor:
+            assert path.suffix == ".md" and anchor in _anchors(path), f"{_rel(doc)} links to {link}, which is no heading"
 
 
 # --------------------------------------------------------- running the blocks
 
 
 def _clean_env() -> dict[str, str]:
+    """The environment of the blocks: no launcher variables; mpidp comes from its installation, not from a path."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(LAUNCHER_PREFIXES)}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
     env["OMP_NUM_THREADS"] = "1"
-    if "Open MPI" in MPI.Get_library_version():  # what the README says Open MPI needs
+    if "Open MPI" in MPI.Get_library_version():  # what docs/install.md says Open MPI needs
         env.update(
             PRTE_MCA_rmaps_default_mapping_policy=":oversubscribe",
             OMPI_ALLOW_RUN_AS_ROOT="1",
@@ -249,23 +275,25 @@ def _mpiexec() -> str:
     return found
 
 
-def _run(argv: list[str], cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    """Run ``argv`` in its own process group; after BLOCK_TIMEOUT seconds the whole group is killed."""
+def _run(
+    argv: list[str], cwd: Path, env: dict[str, str] | None = None, timeout: float = BLOCK_TIMEOUT
+) -> subprocess.CompletedProcess[str]:
+    """Run ``argv`` in its own process group; after ``timeout`` seconds the whole group is killed."""
     proc = subprocess.Popen(
         argv, cwd=cwd, env=env or _clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         start_new_session=True,
     )
     try:
-        out, err = proc.communicate(timeout=BLOCK_TIMEOUT)
+        out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
-        err += f"\n[killed: did not finish in {BLOCK_TIMEOUT} s]"
+        err += f"\n[killed: did not finish in {timeout} s]"
     return subprocess.CompletedProcess(argv, proc.returncode, out, err)
 
 
 def _source(block: Block) -> str:
-    parts = [NAMED[n].code for n in block.tags.get("after", "").split(",") if n]
+    parts = [NAMED[block.file, n].code for n in block.tags.get("after", "").split(",") if n]
     return "\n".join([*parts, block.code])
 
 
@@ -285,7 +313,7 @@ def _missing(block: Block) -> str | None:
 
 def _expected_output(block: Block) -> str | None:
     i = BLOCKS.index(block)
-    if i + 1 < len(BLOCKS) and "output" in BLOCKS[i + 1].tags:
+    if i + 1 < len(BLOCKS) and "output" in BLOCKS[i + 1].tags and BLOCKS[i + 1].file == block.file:
         return BLOCKS[i + 1].code
     return None
 
@@ -317,47 +345,44 @@ for path in sys.argv[1:]:
 @dataclasses.dataclass
 class Job:
     result: subprocess.CompletedProcess[str]
-    scripts: dict[int, Path]  # README line -> snippet file
+    scripts: dict[str, Path]  # block id -> snippet file
+
+
+def _start(key: tuple[str, str], workdir: Path) -> Job:
+    """Run every runnable block of launcher ``key`` in one job."""
+    driver = workdir / "driver.py"
+    driver.write_text(DRIVER)
+    scripts = {}
+    for b in RUNNABLE:
+        if _launch(b) == key and _missing(b) is None:
+            scripts[b.id] = workdir / f"{Path(b.file).stem}_line{b.line}.py"
+            scripts[b.id].write_text(_source(b))
+    files = [str(p) for p in scripts.values()]
+    if key[0] == "mpiexec":
+        argv = [_mpiexec(), "-n", key[1], sys.executable, "-m", "mpi4py", str(driver), *files]
+    elif key[0] == "torchrun":
+        argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={key[1]}", str(driver), *files]
+    else:
+        argv = [sys.executable, str(driver), *files]
+    return Job(_run(argv, workdir, timeout=BLOCK_TIMEOUT * (1 + len(files))), scripts)
 
 
 @pytest.fixture(scope="module")
-def jobs(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    """Return ``job(block)``: the finished job that ran ``block`` with the others of its launcher."""
-    done: dict[tuple[str, str], Job] = {}
-
-    def job(block: Block) -> Job:
-        key = _launch(block)
-        if key not in done:
-            workdir = tmp_path_factory.mktemp(f"{key[0]}{key[1]}")
-            driver = workdir / "driver.py"
-            driver.write_text(DRIVER)
-            scripts = {}
-            for b in RUNNABLE:
-                if _launch(b) == key and _missing(b) is None:
-                    scripts[b.line] = workdir / f"line{b.line}.py"
-                    scripts[b.line].write_text(_source(b))
-            files = [str(p) for p in scripts.values()]
-            if key[0] == "mpiexec":
-                argv = [_mpiexec(), "-n", key[1], sys.executable, "-m", "mpi4py", str(driver), *files]
-            elif key[0] == "torchrun":
-                argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={key[1]}", str(driver), *files]
-            else:
-                argv = [sys.executable, str(driver), *files]
-            done[key] = Job(_run(argv, workdir), scripts)
-        return done[key]
-
-    return job
+def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], Job]:
+    """Every launcher's finished job, run here: a module fixture is set up before the per-test watchdog starts."""
+    keys = sorted({_launch(b) for b in RUNNABLE if _missing(b) is None})
+    return {key: _start(key, tmp_path_factory.mktemp(f"{key[0]}{key[1]}")) for key in keys}
 
 
 @pytest.mark.mpi_skip
 @pytest.mark.parametrize("block", RUNNABLE, ids=[b.id for b in RUNNABLE])
-def test_python_block(block: Block, jobs: Any) -> None:
+def test_python_block(block: Block, jobs: dict[tuple[str, str], Job]) -> None:
     compile(_source(block), block.id, "exec")
     why = _missing(block)
     if why is not None:
         pytest.skip(f"{block.id}: {why}; compiled, not run")
-    job = jobs(block)
-    script = job.scripts[block.line]
+    job = jobs[_launch(block)]
+    script = job.scripts[block.id]
     results = [json.loads(p.read_text()) for p in sorted(script.parent.glob(f"{script.name}.*.json"))]
     context = f"\njob: {' '.join(job.result.args)} -> {job.result.returncode}\nstdout:\n{job.result.stdout}\nstderr:\n{job.result.stderr}"
     errors = [r["error"] for r in results if r["error"]]
@@ -367,16 +392,20 @@ def test_python_block(block: Block, jobs: Any) -> None:
     expected = _expected_output(block)
     if expected is not None:
         got = [line.rstrip() for r in results for line in r["stdout"].strip().splitlines()]
-        assert got == expected.strip().splitlines(), f"{block.id} printed\n{got}\nthe README shows\n{expected}"
+        assert got == expected.strip().splitlines(), f"{block.id} printed\n{got}\nthe docs show\n{expected}"
 
 
 # -------------------------------------------------------------------- tables
 
 
+ENVIRONMENT = ROOT / "docs" / "environment.md"
+API = ROOT / "docs" / "api.md"
+
+
 def _table_variables() -> dict[str, list[str]]:
     """Every variable of the environment table -> its row."""
     out = {}
-    for row in table("Environment variables"):
+    for row in table(ENVIRONMENT):
         for name in re.findall(r"`([A-Za-z_][A-Za-z0-9_]*)`", row[0]):
             out[name] = row
     return out
@@ -405,9 +434,9 @@ def test_environment_table_matches_the_code() -> None:
     read = _read_variables()
     assert "MPIDP_TIMEOUT" in read
     undocumented = sorted(set(read) - set(documented))
-    assert not undocumented, f"read by the code but missing from README's environment table: {undocumented}"
+    assert not undocumented, f"read by the code but missing from docs/environment.md: {undocumented}"
     unread = sorted(v for v in documented if v.startswith("MPIDP_") and v not in read)
-    assert not unread, f"in README's environment table but read nowhere: {unread}"
+    assert not unread, f"in docs/environment.md but read nowhere: {unread}"
     checked = set(launch.MPI_SIZE_VARIABLES + launch.SCHEDULER_SIZE_VARIABLES)
     assert checked <= set(documented), f"the launch check reads {sorted(checked - set(documented))}, undocumented"
 
@@ -422,14 +451,14 @@ def test_environment_table_defaults_match_the_code() -> None:
             text = path.read_text(errors="replace")
             for value in re.findall(rf"\$\{{{name}:-([^}}]*)\}}", text) + re.findall(rf"[\"']{name}[\"'],\s*[\"']([^\"']*)[\"']", text):
                 if "$" not in value:
-                    assert value == default.group(1), f"{name}: README says default {default.group(1)}, {path.name} uses {value}"
+                    assert value == default.group(1), f"{name}: docs/environment.md says default {default.group(1)}, {path.name} uses {value}"
                     compared += 1
     assert compared >= 4
 
 
 def _api_rows() -> list[tuple[str, str, str]]:
     rows = []
-    for cells in table("API reference"):
+    for cells in table(API):
         shown = re.match(r"`([\w.]+)", cells[0])
         assert shown, f"API table row without a name: {cells[0]}"
         rows.append((shown.group(1), cells[1], cells[0]))
@@ -486,15 +515,15 @@ def test_api_table_entry_exists(name: str, collective: str, cell: str) -> None:
     assert re.match(r"^(yes|no)\b", collective), f"{name}: the Collective column says {collective!r}"
     says = _says(obj)
     if says == "collective":
-        assert collective.startswith("yes"), f"{name}: the docstring says collective, the README table says {collective!r}"
+        assert collective.startswith("yes"), f"{name}: the docstring says collective, docs/api.md says {collective!r}"
     if says == "local":
-        assert collective.startswith("no"), f"{name}: the docstring says local, the README table says {collective!r}"
+        assert collective.startswith("no"), f"{name}: the docstring says local, docs/api.md says {collective!r}"
     signature = re.match(r"`[\w.]+\(([^`]*)\)`", cell)
     target = obj.__func__ if isinstance(obj, (classmethod, staticmethod)) else obj
     if signature is not None and callable(target) and not isinstance(target, type):
         documented = [p.split("=")[0].strip(" *") for p in signature.group(1).split(",") if p.strip(" *")]
         actual = [p for p in inspect.signature(target).parameters if p not in ("self", "cls")]
-        assert documented == actual, f"{name}: README shows parameters {documented}, the code has {actual}"
+        assert documented == actual, f"{name}: docs/api.md shows parameters {documented}, the code has {actual}"
 
 
 def _public_names(module_name: str) -> set[str]:
@@ -520,7 +549,7 @@ def test_api_table_covers_every_public_name(module: str) -> None:
     documented = {name for name, _, _ in API_ROWS}
     documented |= {name.rsplit(".", 1)[0] for name in documented}  # a class is shown by its members
     missing = sorted(_public_names(module) - documented)
-    assert not missing, f"public names missing from README's API reference: {missing}"
+    assert not missing, f"public names missing from docs/api.md: {missing}"
 
 
 # ------------------------------------------------------------- sbatch template
@@ -540,36 +569,60 @@ def test_sbatch_template_is_well_formed() -> None:
         assert any(d.split()[1].startswith(option) for d in directives), f"the template does not show {option}"
 
 
+#: what a stand-in python prints for ``python -m mpi4py --mpi-lib-version`` as Open MPI does: a NUL byte, two lines
+OPEN_MPI_VERSION = "Open MPI v5.0.8, package: Open MPI builder Distribution, ident: 5.0.8, repo rev: v5.0.8\\0\\nMPI 4.1\\n"
+
+
 @pytest.mark.mpi_skip
-@pytest.mark.parametrize("override", [None, "pmix"])
-def test_sbatch_template_launches_the_example(tmp_path: Path, override: str | None) -> None:
-    """Run the template with a recording ``srun`` and a stand-in environment holding this python."""
+@pytest.mark.parametrize(("override", "library"), [(None, None), ("pmix", None), (None, "Open MPI")])
+def test_sbatch_template_launches_the_example(tmp_path: Path, override: str | None, library: str | None) -> None:
+    """Run the template with a recording ``srun`` and a stand-in environment holding this python.
+
+    With ``library="Open MPI"`` the stand-in python reports Open MPI's version string (NUL byte included): the
+    template must pick pmix, set PMIX_MCA_psec, and print the version's first line without a bash warning.
+    """
     bin_dir = tmp_path / "bin"
     venv = tmp_path / "venv"
     bin_dir.mkdir()
     (venv / "bin").mkdir(parents=True)
-    (venv / "bin" / "python").symlink_to(sys.executable)
+    fake = f'if [ "$*" = "-m mpi4py --mpi-lib-version" ]; then printf "{OPEN_MPI_VERSION}"; exit 0; fi\n' if library else ""
+    (venv / "bin" / "python").write_text(f'#!/bin/sh\n{fake}exec "{sys.executable}" "$@"\n')
+    (venv / "bin" / "python").chmod(0o755)
     (venv / "bin" / "activate").write_text(f'export PATH="{venv / "bin"}:$PATH"\n')
     log = tmp_path / "srun.log"
     srun = bin_dir / "srun"
-    srun.write_text(f'#!/bin/sh\nprintf "%s\\n" "$@" > "{log}"\necho "MPIDP_TIMEOUT=$MPIDP_TIMEOUT OMP_NUM_THREADS=$OMP_NUM_THREADS" >> "{log}"\n')
+    srun.write_text(
+        f'#!/bin/sh\nprintf "%s\\n" "$@" > "{log}"\n'
+        f'echo "MPIDP_TIMEOUT=$MPIDP_TIMEOUT OMP_NUM_THREADS=$OMP_NUM_THREADS PMIX_MCA_psec=$PMIX_MCA_psec" >> "{log}"\n'
+    )
     srun.chmod(0o755)
     env = _clean_env()
     env.update(
         PATH=f"{bin_dir}{os.pathsep}{env['PATH']}", MPIDP_VENV=str(venv), SLURM_SUBMIT_DIR=str(ROOT),
         SLURM_JOB_NUM_NODES="2", SLURM_NTASKS="8", SLURM_CPUS_PER_TASK="8",
+        PYTHONUNBUFFERED="1",  # inherited from a login shell, it made `... --mpi-lib-version | head -n 1` raise BrokenPipeError
     )
     env.pop("MPIDP_TIMEOUT", None)
+    env.pop("PMIX_MCA_psec", None)
     if override:
         env["MPIDP_SRUN_MPI"] = override
     result = _run(["bash", str(SBATCH), "--steps", "3"], tmp_path, env)
     assert result.returncode == 0, result.stderr
-    expected = override or ("pmix" if "Open MPI" in MPI.Get_library_version() else "pmi2")
+    assert result.stderr == "", result.stderr  # no BrokenPipeError, no "ignored null byte in input"
+    version = OPEN_MPI_VERSION.split("\\0")[0] if library else MPI.Get_library_version().replace("\0", "").splitlines()[0]
+    expected = override or ("pmix" if "Open MPI" in (library or MPI.Get_library_version()) else "pmi2")
     assert log.read_text().splitlines() == [
         f"--mpi={expected}", "--cpus-per-task=8", "python", "-m", "mpi4py", "-m", "mpidp.examples.charlm", "--steps", "3",
-        "MPIDP_TIMEOUT=900 OMP_NUM_THREADS=8",
+        f"MPIDP_TIMEOUT=900 OMP_NUM_THREADS=8 PMIX_MCA_psec={'native' if expected == 'pmix' else ''}",
     ]
-    assert f"srun --mpi={expected}" in result.stdout and "8 rank(s)" in result.stdout
+    assert result.stdout.splitlines() == [f"mpidp: 2 node(s), 8 rank(s), srun --mpi={expected}, {version.strip()}"]
+
+
+def test_sbatch_template_shows_a_one_node_submission() -> None:
+    """The 2-node default stays PENDING forever on a small cluster: the header shows how to ask for one node."""
+    header = SBATCH.read_text().split("set -euo pipefail")[0]
+    assert re.search(r"^#\s+sbatch -N1 --ntasks-per-node=\d+ --cpus-per-task=\d+ scripts/slurm/train.sbatch", header, re.MULTILINE)
+    assert "137" in header and "PENDING" in header
 
 
 def test_version_is_defined_once_where_the_readme_says() -> None:

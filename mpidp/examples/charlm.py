@@ -36,6 +36,7 @@ from mpi4py import MPI
 from torch import nn
 
 import mpidp.torch
+from mpidp.examples import parse_args
 
 ALPHABET = "abcdefghijklmnopqrstuvwxyz ."
 PAD, BOS = 0, 1  # then the alphabet
@@ -163,7 +164,7 @@ def main(argv: list[str] | None = None) -> Summary:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--save", type=Path, help="directory for one checkpoint per rank, written at the end")
     parser.add_argument("--resume", type=Path, help="directory of checkpoints to continue from")
-    args = parser.parse_args(argv)
+    args = parse_args(parser, argv)
     comm = MPI.COMM_WORLD
     rank, size = comm.rank, comm.size
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))  # ranks share the cores

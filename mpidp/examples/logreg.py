@@ -18,6 +18,7 @@ import numpy as np
 from mpi4py import MPI
 
 import mpidp
+from mpidp.examples import parse_args
 
 
 def batch(rng: np.random.Generator, w_true: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
@@ -34,7 +35,7 @@ def main(argv: list[str] | None = None) -> float:
     parser.add_argument("--features", type=int, default=32)
     parser.add_argument("--lr", type=float, default=0.5)
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
+    args = parse_args(parser, argv)
     comm = MPI.COMM_WORLD
     rank, size = comm.rank, comm.size
 

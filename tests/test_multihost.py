@@ -17,6 +17,7 @@ Two kinds of test live here:
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 import socket
@@ -254,10 +255,14 @@ def test_a_rank_killed_on_one_host_ends_the_ranks_on_the_other(driver: ModuleTyp
 
 
 @serial
-def test_singletons_spread_over_hosts_are_reported(driver: ModuleType) -> None:
-    """Processes the launcher started as 4 that each see a world of 1 (its PMI connection hidden) are reported."""
+def test_singletons_spread_over_hosts_are_reported(driver: ModuleType, tmp_path: Path) -> None:
+    """Processes the launcher started as 4 that each see a world of 1 (its PMI connection hidden) are reported.
+
+    Each process writes what it saw to a file of its own (the hosts share this file system), so that the
+    check does not depend on how mpiexec interleaves the output of four processes.
+    """
     script = (
-        "import socket, warnings\n"
+        "import json, os, socket, sys, warnings\n"
         "import numpy as np\n"
         "from mpi4py import MPI\n"
         "import mpidp\n"
@@ -265,16 +270,19 @@ def test_singletons_spread_over_hosts_are_reported(driver: ModuleType) -> None:
         "    warnings.simplefilter('always')\n"
         "    mpidp.DataParallel.initialize({'w': np.zeros(2, np.float32)}, MPI.COMM_WORLD).close()\n"
         "texts = [str(w.message) for w in caught if issubclass(w.category, mpidp.launch.LaunchWarning)]\n"
-        "print(f'on {socket.gethostname()} world {MPI.COMM_WORLD.Get_size()} warned {len(texts)}:', *texts, flush=True)\n"
+        "seen = {'host': socket.gethostname(), 'world': MPI.COMM_WORLD.Get_size(), 'warnings': texts}\n"
+        "with open(os.path.join(sys.argv[1], f'{os.getpid()}.json'), 'w') as f:\n"
+        "    json.dump(seen, f)\n"
     )
     hidden = ["env", "-u", "PMI_FD", "-u", "PMI_PORT", "-u", "PMI_RANK", "-u", "PMI_ID"]
-    code, out, _ = _hosts(["run", "--", *hidden, sys.executable, "-c", script])
+    code, out, _ = _hosts(["run", "--", *hidden, sys.executable, "-c", script, str(tmp_path)])
     assert code == 0, out
-    lines = [line for line in out.splitlines() if line.startswith("on mpdh-h")]
-    assert sorted(line.split()[1] for line in lines) == ["mpdh-h0", "mpdh-h0", "mpdh-h1", "mpdh-h1"], out
-    for line in lines:
-        assert " world 1 warned 1: mpidp: MPI sees a world of 1 process, but PMI_SIZE=4" in line, line
-        assert "different MPI" in line, line
+    seen = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("*.json"))]
+    assert sorted(s["host"] for s in seen) == ["mpdh-h0", "mpdh-h0", "mpdh-h1", "mpdh-h1"], (seen, out)
+    for s in seen:
+        assert s["world"] == 1 and len(s["warnings"]) == 1, s
+        assert s["warnings"][0].startswith("mpidp: MPI sees a world of 1 process, but PMI_SIZE=4"), s
+        assert "different MPI" in s["warnings"][0], s
 
 
 @serial

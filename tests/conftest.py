@@ -8,8 +8,11 @@ and exits the process, so under ``mpiexec`` the job ends instead of hanging.
 from __future__ import annotations
 
 import faulthandler
+import importlib.util
 import os
 from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -102,3 +105,12 @@ def snapshot(arrays: dict[str, Any]) -> dict[str, bytes]:
             v = v.detach().cpu().view(-1).view(__import__("torch").uint8).numpy()
         out[k] = np.ascontiguousarray(v).tobytes()
     return out
+
+
+def load_file(name: str, path: Path) -> ModuleType:
+    """Import the script or benchmark at ``path`` as module ``name`` (they are not packages)."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

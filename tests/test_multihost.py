@@ -16,7 +16,6 @@ Two kinds of test live here:
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -30,7 +29,7 @@ from types import ModuleType
 
 import numpy as np
 import pytest
-from conftest import clean_env
+from conftest import clean_env, load_file
 from mpi4py import MPI
 
 import mpidp
@@ -44,11 +43,7 @@ across_hosts = pytest.mark.skipif(not HOSTS, reason="runs across simulated hosts
 
 
 def _driver() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("mpdh_driver", ROOT / "scripts" / "multihost.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_file("mpdh_driver", ROOT / "scripts" / "multihost.py")
 
 
 # ------------------------------------------------------------------ across hosts (under scripts/test-multihost)

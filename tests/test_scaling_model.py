@@ -7,7 +7,6 @@ here looks at how fast anything was.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import subprocess
@@ -17,7 +16,7 @@ from types import ModuleType
 from typing import Any
 
 import pytest
-from conftest import clean_env
+from conftest import clean_env, load_file
 from mpi4py import MPI
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -26,11 +25,7 @@ MPIEXEC = str(Path(sys.executable).with_name("mpiexec"))
 
 
 def _load() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("scaling_model", ROOT / "benchmarks" / "scaling_model.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_file("scaling_model", ROOT / "benchmarks" / "scaling_model.py")
 
 
 model = _load()

@@ -121,6 +121,30 @@ class Communicator:
         finally:
             self.operation = None
 
+    def Iallreduce(self, send: np.ndarray, recv: np.ndarray, operation: str = "Iallreduce") -> MPI.Request:
+        """Start summing float32 host buffer ``send`` over all ranks into ``recv``; finish it with :meth:`wait`."""
+        try:
+            return self.comm.Iallreduce(send, recv, MPI.SUM)
+        except MPI.Exception as e:
+            raise self._fail(operation, e) from e
+
+    def test(self, requests: list[MPI.Request], operation: str = "Testall") -> bool:
+        """Progress ``requests`` (of any communicator) once, without waiting; whether all are done (local)."""
+        try:
+            return bool(MPI.Request.Testall(requests))
+        except MPI.Exception as e:
+            raise self._fail(operation, e) from e
+
+    def wait(self, requests: list[MPI.Request], operation: str) -> None:
+        """Finish ``requests`` (of any communicator), seen by this communicator's watchdog as ``operation``."""
+        self._enter(operation)
+        try:
+            MPI.Request.Waitall(requests)
+        except MPI.Exception as e:
+            raise self._fail(operation, e) from e
+        finally:
+            self.operation = None
+
 
 def duplicate(comm: MPIComm | None) -> Communicator:
     """Duplicate the user's mpi4py communicator (None: ``COMM_WORLD``); collective on it.

@@ -128,10 +128,10 @@ class Communicator:
         except MPI.Exception as e:
             raise self._fail(operation, e) from e
 
-    def test(self, requests: list[MPI.Request], operation: str = "Testall") -> bool:
-        """Progress ``requests`` (of any communicator) once, without waiting; whether all are done (local)."""
+    def done(self, request: MPI.Request, operation: str = "Test") -> bool:
+        """Progress MPI once and say whether ``request`` (of any communicator) is complete; never waits (local)."""
         try:
-            return bool(MPI.Request.Testall(requests))
+            return bool(request.Test())
         except MPI.Exception as e:
             raise self._fail(operation, e) from e
 

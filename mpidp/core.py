@@ -367,15 +367,16 @@ class DataParallel:
             )
         return {g.name: a for g, a in zip(self._slots.groups, self._cache.flat.arrays)}
 
-    def reduction_buckets(self, order: Sequence[int]) -> overlap.Buckets:
+    def reduction_buckets(self, order: Sequence[int], bucket_bytes: int) -> overlap.Buckets:
         """Return the session's reduction buckets (:mod:`mpidp.overlap`), made on the first call.
 
         Collective on the first call (every rank must make them; later calls
         are local). ``order`` lists the reduction slots (indices into
         :attr:`trainable`) in the order their gradients are expected to be
-        ready; root's order is every rank's. Buckets are at most
-        ``chunk_bytes`` of float32 each, on a duplicate of the session's
-        communicator. Host sessions only: ContractError on every rank for a
+        ready; root's order is every rank's. Buckets hold at most
+        ``bucket_bytes`` of float32 gradients each (a larger slot is a bucket
+        of its own) and are summed in calls of at most ``chunk_bytes``, on a
+        duplicate of the session's communicator. Host sessions only: ContractError on every rank for a
         session on a device.
         """
         self._usable()
@@ -387,7 +388,7 @@ class DataParallel:
             if self._device != "cpu":
                 raise ContractError(f"reduction buckets hold host memory; this session's device is {self._device}")
             comm = _mpi.duplicate(self._comm.comm)
-            self._buckets = overlap.Buckets(comm, self._comm, self._slots.sizes, agreed, max(1, self._chunk_bytes // 4))
+            self._buckets = overlap.Buckets(comm, self._comm, self._slots.sizes, agreed, bucket_bytes // 4, self._chunk_bytes // 4)
         return self._buckets
 
     def reduce_buckets(self, grads: Mapping[str, Any], local_weight: Any, policy: Any, error: str | None, fill: Callable[[int], None]) -> Agreed:
@@ -397,8 +398,8 @@ class DataParallel:
         agrees exactly as :meth:`reduce` (``grads`` are this rank's gradients,
         which the checks read and nothing writes), plus the caller's local
         ``error``. On a ContractError (every rank alike) every bucket is still
-        started and finished, with zeros where nothing was filled, so the next
-        window starts clean. Otherwise ``fill(slot)`` fills each slot the
+        started and finished, its sums thrown away and nothing written, so the
+        next window starts clean. Otherwise ``fill(slot)`` fills each slot the
         backward did not make ready, every bucket is finished, and the buckets'
         ``sums`` hold the sums over the ranks (a rank of weight 0 counted as
         zeros) for the caller to divide by the global weight.

@@ -2,8 +2,9 @@
 
 A session's trainable slots are laid out, in an order every rank agreed on
 (roughly the reverse of the forward, as gradients become ready), in one
-float32 *send* buffer, cut into buckets of at most ``chunk`` values (a slot
-larger than that is a bucket of its own, summed in chunk-sized calls). The
+float32 *send* buffer, cut into buckets of at most ``bucket`` values (a slot
+larger than that is a bucket of its own), each summed in calls of at most
+``chunk`` values. The
 adapter fills a slot's part of the send buffer and calls :meth:`Buckets.ready`;
 when every slot of the next bucket in line is ready, the bucket's
 non-blocking Allreduce starts, into a separate *receive* buffer, so that the
@@ -11,7 +12,8 @@ caller's gradients are never written by the network. Buckets start strictly
 in order, so every rank issues the same collectives in the same order,
 however its backward went: :meth:`Buckets.flush` starts whatever is left
 (slots the backward did not reach are filled then, with zeros where a rank
-has no gradient). Progress needs no thread: every :meth:`ready` tests the
+has no gradient; a window that raises sends them as they are and throws the
+sums away). Progress needs no thread: every :meth:`ready` tests the
 requests in flight once (MPI progresses them inside the test, on the calling
 thread, and returns at once), and :meth:`Buckets.wait` finishes them.
 
@@ -23,6 +25,7 @@ that raises, and ``close``, flush and wait first.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -30,38 +33,43 @@ import numpy as np
 
 from .comm import Communicator
 
-__all__ = ["Buckets", "layout"]
+__all__ = ["DEPTH", "Buckets", "layout"]
+
+#: Non-blocking calls in flight at once. MPICH 5.0.2 (PyPI wheel, shared memory, 2 ranks) sums 120 MB
+#: in 1 MiB Iallreduce calls 2-3x slower with every call started at once than with 1-2 in flight
+#: (docs/performance.md, "Overlap with backward"; its blocking Allreduce is faster still).
+DEPTH = 2
 
 
-def layout(sizes: Sequence[int], order: Sequence[int], chunk: int) -> tuple[list[int], list[list[int]], list[list[tuple[int, int]]]]:
+def layout(
+    sizes: Sequence[int], order: Sequence[int], bucket: int, chunk: int
+) -> tuple[list[int], list[list[int]], list[list[tuple[int, int]]]]:
     """Where each slot lies in the send buffer, and the buckets (slots, calls) in the order they start (pure).
 
     ``order`` lists the slots in the order their gradients are expected;
-    a bucket closes before the slot that would take it over ``chunk``
+    a bucket closes before the slot that would take it over ``bucket``
     values, and a call never exceeds ``chunk`` values.
     """
-    chunk = max(1, chunk)
+    bucket, chunk = max(1, bucket), max(1, chunk)
     offset = [0] * len(sizes)
     slots: list[list[int]] = []
     calls: list[list[tuple[int, int]]] = []
-    filled = chunk  # no open bucket
+    filled = bucket  # no open bucket
     at = 0
     for s in order:
         n = sizes[s]
         offset[s] = at
-        if filled + n > chunk:
+        if filled + n > bucket:
             slots.append([])
             calls.append([])
             filled = 0
         slots[-1].append(s)
         filled += n
         at += n
-    total = at
     for k, members in enumerate(slots):
         lo = offset[members[0]]
         hi = offset[members[-1]] + sizes[members[-1]]
         calls[k] = [(a, min(a + chunk, hi)) for a in range(lo, hi, chunk)] if hi > lo else []
-    assert at == total
     return offset, slots, calls
 
 
@@ -72,10 +80,12 @@ class Buckets:
     the session's, whose watchdog sees :meth:`wait` and :meth:`redo`.
     """
 
-    def __init__(self, comm: Communicator, watched: Communicator, sizes: Sequence[int], order: Sequence[int], chunk: int) -> None:
+    def __init__(
+        self, comm: Communicator, watched: Communicator, sizes: Sequence[int], order: Sequence[int], bucket: int, chunk: int
+    ) -> None:
         self.comm = comm
         self.watched = watched
-        offset, self._slots, self._calls = layout(sizes, order, chunk)
+        offset, self._slots, self._calls = layout(sizes, order, bucket, chunk)
         total = sum(sizes)
         self.send = np.zeros(total, np.float32)
         self.recv = np.zeros(total, np.float32)
@@ -86,7 +96,10 @@ class Buckets:
         for k, members in enumerate(self._slots):
             for s in members:
                 self._bucket[s] = k
-        self._requests: list[Any] = []
+        #: calls of started buckets not yet handed to MPI, and the requests in flight (at most ``depth``), oldest first
+        self._pending: deque[tuple[int, int]] = deque()
+        self._flight: deque[Any] = deque()
+        self.depth = DEPTH
         self.reset()
 
     def __len__(self) -> int:
@@ -102,11 +115,11 @@ class Buckets:
 
     @property
     def started(self) -> int:
-        """Buckets started in this window."""
+        """Buckets started (queued or summing) in this window."""
         return self._next
 
     def ready(self, slot: int) -> None:
-        """Slot ``slot``'s send part is filled: start every bucket now complete, in order, and progress those in flight."""
+        """Slot ``slot``'s send part is filled: queue every bucket now complete, in order, and progress the calls."""
         if self._ready[slot]:
             self.stale = True
             return
@@ -114,39 +127,50 @@ class Buckets:
         k = self._bucket[slot]
         self._left[k] -= 1
         if k == self._next and self._left[k] == 0:
-            self._start_ready()
-        if self._requests:
-            self.comm.test(self._requests)
+            while self._next < len(self._slots) and self._left[self._next] == 0:
+                self._queue(self._next)
+        self.progress()
 
-    def _start_ready(self) -> None:
-        while self._next < len(self._slots) and self._left[self._next] == 0:
-            self._start(self._next)
-
-    def _start(self, k: int) -> None:
-        for lo, hi in self._calls[k]:
-            self._requests.append(self.comm.Iallreduce(self.send[lo:hi], self.recv[lo:hi], "reduce: Iallreduce"))
+    def _queue(self, k: int) -> None:
+        self._pending.extend(self._calls[k])
         self._next = k + 1
 
+    def progress(self) -> None:
+        """Test the oldest calls in flight once each, and start queued calls in their place (local, never waits)."""
+        flight = self._flight
+        while flight and self.comm.done(flight[0]):
+            flight.popleft()
+        self._fill_flight()
+
+    def _fill_flight(self) -> None:
+        while self._pending and len(self._flight) < self.depth:
+            lo, hi = self._pending.popleft()
+            self._flight.append(self.comm.Iallreduce(self.send[lo:hi], self.recv[lo:hi], "reduce: Iallreduce"))
+
     def flush(self, fill: Callable[[int], None] | None) -> None:
-        """Start every bucket not started yet; ``fill(slot)`` first fills each slot not ready (None: zeros)."""
+        """Start every bucket not started yet; ``fill(slot)`` first fills each slot not ready (None: as it is)."""
         for k in range(self._next, len(self._slots)):
             for s in self._slots[k]:
-                if not self._ready[s]:
-                    if fill is None:
-                        self.views[s][...] = 0
-                    else:
-                        fill(s)
-                    self._ready[s] = 1
+                if not self._ready[s] and fill is not None:
+                    fill(s)
+                self._ready[s] = 1
             self._left[k] = 0
-            self._start(k)
+            self._queue(k)
+        self._fill_flight()
 
     def wait(self, operation: str) -> None:
-        """Finish every request in flight (watched by the session's watchdog)."""
-        requests, self._requests = self._requests, []
-        self.watched.wait(requests, operation)
+        """Finish every queued call, ``depth`` at a time (watched by the session's watchdog)."""
+        flight = self._flight
+        while flight:
+            self.watched.wait([flight.popleft()], operation)
+            self._fill_flight()
 
     def drain(self, operation: str) -> None:
-        """End the window whatever it held: start what is left with zeros, wait, reset (collective)."""
+        """End the window whatever it held: start what is left as it is, wait, reset (collective).
+
+        The sums are thrown away, and nothing of the send buffer is written
+        (an adapter's gradients may live there).
+        """
         self.flush(None)
         self.wait(operation)
         self.reset()
@@ -160,5 +184,6 @@ class Buckets:
         if zero:
             self.send[...] = 0
         for k in range(len(self._slots)):
-            self._start(k)
+            self._queue(k)
+        self._fill_flight()
         self.wait(operation)

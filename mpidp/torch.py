@@ -76,11 +76,14 @@ class DataParallel:
         timeout: float | None = None,
         flat_parameters: bool = False,
         overlap: bool = False,
+        bucket_bytes: int | None = None,
     ) -> None:
         self.module = model
         error = _check_module(model)
         regions = _regions(_buffers(model) if error is None else [])
-        error = error or regions.error or (_overlap_problem(model) if overlap else None)
+        if bucket_bytes is None:
+            bucket_bytes = chunk_bytes
+        error = error or regions.error or (_overlap_problem(model, bucket_bytes) if overlap else None)
         self._params: dict[str, Any] = dict(model.named_parameters(remove_duplicate=False)) if error is None else {}
         frozen = [name for name, p in self._params.items() if not p.requires_grad]
         moved: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
@@ -103,7 +106,7 @@ class DataParallel:
         if overlap:  # gradients go into reduction buckets during backward (mpidp.torch_overlap)
             try:
                 forward = [name for name, _ in model.named_parameters()]  # registration order, each tie group once
-                self._overlap = Overlap(self._core, self._params, [first[id(self._params[n])] for n in forward])
+                self._overlap = Overlap(self._core, self._params, [first[id(self._params[n])] for n in forward], bucket_bytes)
             except BaseException:
                 self._core.close()
                 raise
@@ -307,8 +310,10 @@ def _flatten(params: dict[str, Any]) -> tuple[list[tuple[torch.nn.Parameter, tor
     return moved, None
 
 
-def _overlap_problem(model: torch.nn.Module) -> str | None:
-    """Why ``overlap=True`` cannot serve this rank's model, or None (local)."""
+def _overlap_problem(model: torch.nn.Module, bucket_bytes: Any) -> str | None:
+    """Why ``overlap=True`` cannot serve this rank's model with these buckets, or None (local)."""
+    if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 4:
+        return f"bucket_bytes must be an integer of at least 4, got {bucket_bytes!r}"
     for name, p in model.named_parameters(remove_duplicate=False):
         if p.device.type != "cpu":
             return f"overlap=True reduces host (CPU) parameters only; parameter {name!r} is on {p.device}"

@@ -29,11 +29,11 @@ __all__ = ["Overlap"]
 class Overlap:
     """The hooks, the send slots as tensors, and the window state of one overlapped session (local)."""
 
-    def __init__(self, session: core.DataParallel, params: dict[str, Any], forward: Sequence[str]) -> None:
+    def __init__(self, session: core.DataParallel, params: dict[str, Any], forward: Sequence[str], bucket_bytes: int) -> None:
         heads = session.trainable
         slot = {h: i for i, h in enumerate(heads)}
         order = [slot[h] for h in reversed(forward) if h in slot]  # backward finishes the last layers first
-        self.buckets = session.reduction_buckets(order)
+        self.buckets = session.reduction_buckets(order, bucket_bytes)
         self.names = heads
         self.params = [params[h] for h in heads]
         #: each slot's part of the send buffer, shaped like its parameter (float32)

@@ -121,6 +121,16 @@ class Communicator:
         finally:
             self.operation = None
 
+    def Allreduce_into(self, send: np.ndarray, recv: np.ndarray, operation: str = "Allreduce") -> None:
+        """Sum float32 host buffer ``send`` over all ranks into ``recv``."""
+        self._enter(operation)
+        try:
+            self.comm.Allreduce(send, recv, MPI.SUM)
+        except MPI.Exception as e:
+            raise self._fail(operation, e) from e
+        finally:
+            self.operation = None
+
     def Iallreduce(self, send: np.ndarray, recv: np.ndarray, operation: str = "Iallreduce") -> MPI.Request:
         """Start summing float32 host buffer ``send`` over all ranks into ``recv``; finish it with :meth:`wait`."""
         try:

@@ -415,7 +415,8 @@ class DataParallel:
             raise
         try:
             buckets.flush(fill)
-            buckets.wait(operation)
+            handed = self._comm.Allgather(np.array([buckets.handed], np.int64), f"{operation}: calls started")
+            buckets.finish(int(handed.max()), operation)
             if agreed.zero_weight:  # its gradients left during backward: sum again, counting them as zeros
                 buckets.redo(agreed.weight == 0, operation)
         except CollectiveError as e:

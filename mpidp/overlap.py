@@ -13,9 +13,11 @@ in order, so every rank issues the same collectives in the same order,
 however its backward went: :meth:`Buckets.flush` starts whatever is left
 (slots the backward did not reach are filled then, with zeros where a rank
 has no gradient; a window that raises sends them as they are and throws the
-sums away). Progress needs no thread: every :meth:`ready` tests the
+sums away). Progress needs no thread: every :meth:`ready` tests the oldest
 requests in flight once (MPI progresses them inside the test, on the calling
-thread, and returns at once), and :meth:`Buckets.wait` finishes them.
+thread, and returns at once) and hands queued calls to MPI, at most
+:data:`DEPTH` at a time. :meth:`Buckets.finish` then sums what no rank had
+handed to MPI with blocking calls, faster in MPICH.
 
 The buckets use a communicator of their own, so the window's agreement (on
 the session's communicator) may run while they are in flight. Every window
@@ -110,8 +112,15 @@ class Buckets:
         self._ready = bytearray(len(self._bucket))
         self._left = [len(m) for m in self._slots]
         self._next = 0
+        #: calls handed to MPI (started non-blocking) in this window
+        self._handed = 0
         #: a slot was made ready twice in this window (a second backward while its bucket could be in flight)
         self.stale = False
+
+    @property
+    def handed(self) -> int:
+        """Calls handed to MPI in this window (local)."""
+        return self._handed
 
     @property
     def started(self) -> int:
@@ -144,11 +153,14 @@ class Buckets:
 
     def _fill_flight(self) -> None:
         while self._pending and len(self._flight) < self.depth:
-            lo, hi = self._pending.popleft()
-            self._flight.append(self.comm.Iallreduce(self.send[lo:hi], self.recv[lo:hi], "reduce: Iallreduce"))
+            self._start(*self._pending.popleft())
+
+    def _start(self, lo: int, hi: int) -> None:
+        self._flight.append(self.comm.Iallreduce(self.send[lo:hi], self.recv[lo:hi], "reduce: Iallreduce"))
+        self._handed += 1
 
     def flush(self, fill: Callable[[int], None] | None) -> None:
-        """Start every bucket not started yet; ``fill(slot)`` first fills each slot not ready (None: as it is)."""
+        """Queue every bucket not started yet; ``fill(slot)`` first fills each slot not ready (None: as it is)."""
         for k in range(self._next, len(self._slots)):
             for s in self._slots[k]:
                 if not self._ready[s] and fill is not None:
@@ -156,14 +168,31 @@ class Buckets:
                 self._ready[s] = 1
             self._left[k] = 0
             self._queue(k)
-        self._fill_flight()
 
     def wait(self, operation: str) -> None:
-        """Finish every queued call, ``depth`` at a time (watched by the session's watchdog)."""
+        """Hand every queued call to MPI, ``depth`` at a time, and finish them (watched by the session's watchdog)."""
+        self._fill_flight()
         flight = self._flight
         while flight:
             self.watched.wait([flight.popleft()], operation)
             self._fill_flight()
+
+    def finish(self, handed: int, operation: str) -> None:
+        """Finish the window's calls: non-blocking up to call ``handed``, blocking after it (collective; after :meth:`flush`).
+
+        ``handed`` is the most calls any rank handed to MPI during backward
+        (:attr:`handed`, agreed): every rank starts that many non-blocking,
+        as collectives must match, and sums the rest with blocking Allreduce
+        calls on the session's communicator, which MPICH runs faster than
+        non-blocking ones (:data:`DEPTH`).
+        """
+        pending = self._pending
+        while self._handed < handed:
+            self._start(*pending.popleft())
+        self._pending = deque()
+        self.wait(operation)
+        for lo, hi in pending:
+            self.watched.Allreduce_into(self.send[lo:hi], self.recv[lo:hi], operation)
 
     def drain(self, operation: str) -> None:
         """End the window whatever it held: start what is left as it is, wait, reset (collective).
@@ -183,7 +212,6 @@ class Buckets:
         """
         if zero:
             self.send[...] = 0
-        for k in range(len(self._slots)):
-            self._queue(k)
-        self._fill_flight()
-        self.wait(operation)
+        for calls in self._calls:
+            for lo, hi in calls:
+                self.watched.Allreduce_into(self.send[lo:hi], self.recv[lo:hi], operation)

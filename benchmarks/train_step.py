@@ -26,8 +26,10 @@ weights and its own AdamW; one thread per rank:
 The variants take turns step by step (the order rotates each step), every
 rank in the same variant at the same time; each step is timed in three
 parts, the slowest rank's each: forward+backward (DDP's reduction is inside
-it), the reduction left after backward, optimizer step + zero. Medians over
-the steps. The raw MPI limit of the same gradients (a 4 MiB-chunked float32
+it), the reduction left after backward, optimizer step + zero. Times are
+medians over the steps; ratios (against DDP, against no communication,
+against mpidp's plain reduction) are medians of the ratios within each
+round, so that load changes cancel. The raw MPI limit of the same gradients (a 4 MiB-chunked float32
 Allreduce of all of them) and gloo's all_reduce of them are timed in the same
 run. Writes ``<out>/train-step-np<N>.json``; nothing gates on time.
 """
@@ -264,13 +266,21 @@ def bench_model(name: str, variants: tuple[str, ...], steps: int, warmup: int) -
             "step": med[0], "forward_backward": med[1], "reduce_after_backward": med[2], "optimizer": med[3],
             "samples": [list(r) for r in rows],
         }
-    for v, r in out["variants"].items():
+    for v, r in out["variants"].items():  # ratios of the same round's steps (load changes cancel), medians
         for base in ("ddp_gloo", "local"):
-            if base in out["variants"]:
-                r[f"step_vs_{base}"] = r["step"] / out["variants"][base]["step"]
-        if "local" in out["variants"]:
-            r["forward_backward_vs_local"] = r["forward_backward"] / out["variants"]["local"]["forward_backward"]
+            if base in times:
+                r[f"step_vs_{base}"] = paired(times[v], times[base], 0)
+        if "local" in times:
+            r["forward_backward_vs_local"] = paired(times[v], times["local"], 1)
+        if v != "mpidp" and "mpidp" in times:
+            # how much of the plain path's reduction after backward is left
+            r["reduce_vs_mpidp"] = paired(times[v], times["mpidp"], 2)
     return out
+
+
+def paired(rows: list[tuple[float, ...]], base: list[tuple[float, ...]], part: int) -> float:
+    """The median over rounds of ``rows[i][part] / base[i][part]``."""
+    return statistics.median(a[part] / max(b[part], 1e-9) for a, b in zip(rows, base))
 
 
 def table(result: dict[str, Any]) -> str:
@@ -281,11 +291,12 @@ def table(result: dict[str, Any]) -> str:
             f"\n{name}: {m['parameters'] / 1e6:.1f} M parameters; gradients' Allreduce alone: "
             f"MPI {lim['mpi_allreduce'] * 1e3:.1f} ms, gloo {lim['gloo_allreduce'] * 1e3:.1f} ms"
         )
-        lines.append(f"  {'variant':15s} {'step':>8s} {'fwd+bwd':>8s} {'reduce':>8s} {'optim':>8s} {'vs DDP':>7s} {'fb/local':>8s}")
+        lines.append(f"  {'variant':15s} {'step':>8s} {'fwd+bwd':>8s} {'reduce':>8s} {'optim':>8s} {'vs DDP':>7s} {'fb/local':>8s} {'red/mpidp':>9s}")
         for v, r in m["variants"].items():
             lines.append(
                 f"  {v:15s} {r['step'] * 1e3:8.1f} {r['forward_backward'] * 1e3:8.1f} {r['reduce_after_backward'] * 1e3:8.1f} "
                 f"{r['optimizer'] * 1e3:8.1f} {r.get('step_vs_ddp_gloo', float('nan')):7.2f}x {r.get('forward_backward_vs_local', float('nan')):7.2f}x"
+                f" {r.get('reduce_vs_mpidp', float('nan')):8.2f}x"
             )
     return "\n".join(lines)
 

@@ -227,3 +227,14 @@ def test_no_sync_is_a_no_op_on_the_plain_path(comm: MPI.Comm) -> None:
         weight += window(comm, model)
         dp.reduce(local_weight=weight)
         assert model.embed.weight.grad is not None
+
+
+@pytest.mark.parametrize("bucket_bytes", [0, 2.5, True])
+def test_a_bad_bucket_size_is_refused_on_every_rank(comm: MPI.Comm, where: tuple[bool, int], bucket_bytes: Any) -> None:
+    mine, bad = where
+    model = TinyLM(100, extras=False)
+    options = {"bucket_bytes": bucket_bytes} if mine else {}
+    same_error_everywhere(
+        comm, lambda: mpidp.torch.DataParallel(model, comm, overlap=True, **options), ContractError,
+        f"rank {bad}: bucket_bytes must be an integer of at least 4, got {bucket_bytes!r}",
+    )

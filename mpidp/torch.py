@@ -59,6 +59,13 @@ class DataParallel:
     Tensors that viewed the old ``p.data`` no longer alias the parameter,
     and saving one parameter alone saves its whole buffer.
 
+    ``overlap=True`` (CPU parameters) starts the reduction while backward
+    runs (:mod:`mpidp.torch_overlap`): gradients go into float32 buckets of
+    ``bucket_bytes`` (default ``chunk_bytes``) as autograd finishes them;
+    :meth:`reduce` then finishes them, with the plain path's results bit for
+    bit. Run the backward passes of a window but the last under
+    :meth:`no_sync`.
+
     ``chunk_bytes``, ``abort_on_exception`` and ``timeout`` are those of
     :meth:`mpidp.DataParallel.initialize`. Raises ContractError on every rank,
     before anything is modified, if any rank's model is invalid or differs
@@ -166,9 +173,9 @@ class DataParallel:
         """
         params = self._refresh()
         weight = _as_int(local_weight)
-        if self._overlap is not None:
-            present = {h: params[h].grad for h in self._heads if h in params and params[h].grad is not None}
-            return self._overlap.reduce(self._core, present, weight, policy)
+        if self._overlap is not None:  # the checks read .grad (a sparse one as its dense copy); the buckets move it
+            given = {h: g if g.layout == torch.strided else g.to_dense() for h in self._heads if h in params and (g := params[h].grad) is not None}
+            return self._overlap.reduce(self._core, given, weight, policy)
         grads: dict[str, Any] = {}
         for head in self._heads:
             p = params.get(head)

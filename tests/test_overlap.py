@@ -142,6 +142,17 @@ def test_overlap_refuses_bad_input_on_every_rank_touches_nothing_and_recovers(co
             same_grads_everywhere(comm, plain, over)
 
 
+def test_a_sparse_embedding_gradient_is_reduced_dense_like_the_plain_path(comm: MPI.Comm) -> None:
+    (plain, dp), (over, do) = pair(lambda seed: nn.Embedding(10, 3, sparse=True), comm, **SMALL)
+    with dp, do:
+        for model, session in ((plain, dp), (over, do)):
+            model(torch.tensor([comm.rank % 10, 9])).sum().backward()
+            assert model.weight.grad.is_sparse
+            session.reduce(local_weight=2)
+        assert not over.weight.grad.is_sparse
+        same_grads_everywhere(comm, plain, over)
+
+
 def test_a_parameter_unused_everywhere_is_refused_under_error_then_absent_under_zero(comm: MPI.Comm) -> None:
     (plain, dp), (over, do) = pair(TinyLM, comm, **SMALL)
     with dp, do:

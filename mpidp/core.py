@@ -121,9 +121,10 @@ class DataParallel:
         rank). ``device`` is this rank's device (``"cpu"`` or ``"cuda:N"``);
         None takes the first parameter's. ``abort_on_exception`` makes an
         uncaught exception on any rank abort the whole job instead of
-        leaving the others waiting. ``timeout`` (seconds, default from
-        ``MPIDP_TIMEOUT``) arms a watchdog that aborts the job when a rank
-        waits longer than that in one mpidp collective.
+        leaving the others waiting. ``timeout`` (seconds; None: from
+        ``MPIDP_TIMEOUT``, which defaults to 1800; 0: off) is the watchdog's:
+        it aborts the job when a rank waits longer than that in one mpidp
+        collective, this call's own included.
 
         Raises ContractError on every rank if any rank's replica is invalid
         or differs from another's; nothing is modified then.

@@ -387,9 +387,11 @@ class DataParallel:
             return
         self._closed = True
         self._cache.forget()  # release the last windows' gradient arrays
-        if self._watchdog is not None:
-            self._watchdog.close()
-        self._comm.close()
+        try:
+            self._comm.close()  # watched, like every collective of the session
+        finally:
+            if self._watchdog is not None:
+                self._watchdog.close()
 
     def __enter__(self) -> DataParallel:  # noqa: PYI034 - Self needs Python 3.11
         """Return this session (local)."""
@@ -411,29 +413,43 @@ def start(
     ``options`` are initialize's keyword arguments. The regions' entries are
     part of the initialize record, and ``regions.error`` is this rank's
     error (before the core's own): one agreement, one communicator, one
-    watchdog for the parameters and the regions.
+    watchdog for the parameters and the regions. The watchdog is armed
+    before the communicator's Dup: every collective of the session is
+    watched, from the first (a rank that never comes) to ``close``.
     """
-    c = _mpi.duplicate(comm)
-    watchdog: guard.Watchdog | None = None
+    try:
+        timeout, setup_error = guard.resolve_timeout(options["timeout"]), None
+    except ValueError as e:  # refused on every rank at the agreement, which the default watches meanwhile
+        timeout, setup_error = guard.DEFAULT_TIMEOUT, str(e)
+    dogs: list[guard.Watchdog] = []
+
+    def arm(c: Communicator) -> None:
+        if timeout:
+            dogs.append(guard.Watchdog(c, timeout))
+
+    try:
+        c = _mpi.duplicate(comm, arm)
+    except BaseException:
+        for dog in dogs:
+            dog.close()
+        raise
+    watchdog = dogs[0] if dogs else None
     try:
         world = _mpi.world()
         warning = launch.check_world(world.size, world.library)
         if warning is not None:
             warnings.warn(warning, launch.LaunchWarning, stacklevel=3)
-        try:
-            timeout, setup_error = guard.resolve_timeout(options["timeout"]), None
-        except ValueError as e:
-            timeout, setup_error = None, str(e)
-        watchdog = guard.Watchdog(c, timeout) if timeout else None
         local = checks.setup(c, params, root, frozen, options, regions, setup_error)  # check locally
         everyone = records.agree(c, local.setup, local.error, "initialize: agreement")  # agree
         self = DataParallel(c, params, local, watchdog)
         self._broadcast(everyone)  # move
         self._move_regions(regions, "buffers: Bcast")
     except BaseException:
-        if watchdog is not None:
-            watchdog.close()
-        c.close()
+        try:
+            c.close()
+        finally:
+            if watchdog is not None:
+                watchdog.close()
         raise
     if c.size > 1:  # the latest session decides, for the process
         guard.install_abort_hook(world.rank, bool(options["abort_on_exception"]))

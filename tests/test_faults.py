@@ -65,6 +65,16 @@ def test_watchdog_aborts_a_rank_that_skipped_a_reduce() -> None:
     assert after <= 3 + 5, f"the job took {after:.1f} s to end after the skip"
 
 
+@pytest.mark.parametrize("mode", ["late", "raise-early"])
+def test_watchdog_is_armed_while_initialize_waits(mode: str) -> None:
+    """The session's first collective (the Dup of the user's communicator) is watched too."""
+    code, out, after = job(mode, MPIDP_TIMEOUT="3")
+    assert code != 0, out
+    for rank in (0, 1, 2):
+        assert re.search(rf"mpidp watchdog: rank {rank} has waited [\d.]+ s in initialize: MPI_Comm_dup", out), out
+    assert after <= 3 + 5, f"the job took {after:.1f} s to end after rank 3's {mode}"
+
+
 def test_watchdog_aborts_a_rank_that_skipped_broadcast_buffers() -> None:
     """The PyTorch adapter's own collectives (its buffers) are watched like the core's."""
     pytest.importorskip("torch")

@@ -10,6 +10,10 @@
   others wait in mpidp's exchange until the watchdog (MPIDP_TIMEOUT) aborts.
 - ``skip-buffers``: the same with the PyTorch adapter: rank 3 skips
   ``broadcast_buffers``, whose collectives the adapter's own watchdog watches.
+- ``late``: rank 3 comes to ``initialize`` 30 s after the others, which wait
+  in its first collective (the communicator's Dup) until the watchdog aborts.
+- ``raise-early``: rank 3 raises before ``initialize`` (no abort hook yet:
+  plain python), the others wait in the Dup until the watchdog aborts.
 """
 
 import os
@@ -26,6 +30,11 @@ mode = sys.argv[1]
 windows = int(sys.argv[2]) if len(sys.argv) > 2 else 20
 comm = MPI.COMM_WORLD
 rank = comm.rank
+if mode in ("late", "raise-early") and rank == 3:
+    print(f"rank {rank}: {mode} at {time.time():.3f}", flush=True)
+    if mode == "raise-early":
+        raise RuntimeError("boom before initialize")
+    time.sleep(30)
 if mode == "skip-buffers":
     import torch
 

@@ -217,6 +217,8 @@ class DataParallel:
         grads: Mapping[str, Any],
         local_weight: int,
         policy: MissingGradientPolicy = MissingGradientPolicy.ERROR,
+        *,
+        step: int | None = None,
     ) -> ReducedGradients:
         """Turn gradients of local loss **sums** into the global token mean.
 
@@ -235,6 +237,14 @@ class DataParallel:
         weight 0 are ignored (counted as zeros). Parameters no weighted rank
         has a gradient for are absent from the result.
 
+        ``step`` is a number the caller counts, such as the optimizer step.
+        When any rank passes one, every rank must pass the same one: a rank
+        that skipped or repeated a ``reduce`` is then an error on every rank
+        instead of gradients silently paired with another rank's window (the
+        ranks cannot tell otherwise: each rank's n-th call is its window n).
+        None on every rank (the default) checks nothing. It travels in the
+        window's exchange: no extra collective.
+
         Refilling the same arrays every window is the fast path: arrays that
         are the last window's objects, unchanged, skip their checks, and from
         the second window in a row the views cut for them are kept (and the
@@ -243,7 +253,7 @@ class DataParallel:
 
         Raises ContractError identically on every rank, before anything is
         modified, when any rank's input is invalid, ranks disagree on the
-        policy, or the global weight is 0. Raises CollectiveError if MPI
+        policy or the step, or the global weight is 0. Raises CollectiveError if MPI
         fails while gradients move: like the reference design, which consumes
         its input, the gradient arrays are then unspecified, and every later
         call on this session raises CollectiveError too.
@@ -257,6 +267,12 @@ class DataParallel:
             weight, code = local_weight, policy.value  # the usual window, cheaply
         else:
             weight, code, error = _check_weight(local_weight, policy, error)
+        if step is None:
+            step_word = 0
+        elif type(step) is int and 0 <= step < U64_MAX:
+            step_word = step + 1
+        else:
+            step_word, error = _check_step(step, error)
         complete = all(x is not None for x in given)
         if error is None and code == MissingGradientPolicy.ERROR.value and weight > 0 and not complete:
             missing = self._slots.groups[next(i for i, x in enumerate(given) if x is None)].name
@@ -265,7 +281,7 @@ class DataParallel:
                 "pass policy=MissingGradientPolicy.ZERO if it is legitimately unused"
             )
         presence = self._slots.complete if complete else self._slots.presence([x is not None for x in given])
-        Window.fill(self._window_frame, self._window, code, weight, presence)
+        Window.fill(self._window_frame, step_word, code, weight, presence)
         try:
             rows = records.agree(self._comm, self._window_frame, error, f"{operation}: exchange", self._judge, Window.AGREED)
             global_weight, key = Window.facts(rows, self._slots.words)
@@ -486,6 +502,15 @@ def _check_weight(local_weight: Any, policy: Any, error: str | None) -> tuple[in
     if policy.__class__ is MissingGradientPolicy:
         return weight, policy.value, error
     return weight, 255, error or f"policy must be a MissingGradientPolicy, got {policy!r}"
+
+
+def _check_step(step: Any, error: str | None) -> tuple[int, str | None]:
+    """The STEP word of this rank's window record (step + 1), and the first error (local)."""
+    if isinstance(step, bool) or not isinstance(step, numbers.Integral):
+        return 0, error or f"step must be None or a non-negative int, got {type(step).__name__} {step!r}"
+    if not 0 <= int(step) < U64_MAX:
+        return 0, error or f"step {step} is outside [0, 2**64 - 2]"
+    return int(step) + 1, error
 
 
 def _check_global_weight(global_weight: int) -> None:

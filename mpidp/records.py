@@ -128,9 +128,14 @@ class Frame:
 
 
 class Window:
-    """The reduce record: window number and policy (every rank's must be equal), weight, presence bits."""
+    """The reduce record: the caller's step and the policy (every rank's must be equal), weight, presence bits.
 
-    WINDOW, POLICY, WEIGHT, PRESENCE = BODY, BODY + 1, BODY + 2, BODY + 3
+    The STEP word is 0 when the caller passed no step, else step + 1. Each
+    rank numbers its own reduce calls, so only a number the caller counts
+    (``reduce(..., step=)``) can tell that a rank skipped or repeated one.
+    """
+
+    STEP, POLICY, WEIGHT, PRESENCE = BODY, BODY + 1, BODY + 2, BODY + 3
     #: frame words ``[0, AGREED)`` are equal on every rank of a window that goes ahead
     AGREED = BODY + 2
 
@@ -140,23 +145,29 @@ class Window:
         return 3 + (slots + 63) // 64
 
     @staticmethod
-    def fill(frame: np.ndarray, window: int, policy: int, weight: int, presence: np.ndarray) -> None:
-        """Write this rank's window record into a WINDOW ``frame``."""
-        frame[Window.WINDOW] = window
+    def fill(frame: np.ndarray, step: int, policy: int, weight: int, presence: np.ndarray) -> None:
+        """Write this rank's window record into a WINDOW ``frame`` (``step``: the STEP word)."""
+        frame[Window.STEP] = step
         frame[Window.POLICY] = policy
         frame[Window.WEIGHT] = weight
         frame[Window.PRESENCE : Window.PRESENCE + presence.size] = presence
 
     @staticmethod
     def judge(policies: Callable[[int], Any]) -> Judge:
-        """The judge of a window table whose agreed words differ: ranks in different windows, then policies."""
+        """The judge of a window table whose agreed words differ: ranks at different steps, then policies."""
 
         def disagreement(rows: Rows) -> str | None:
-            other = first_different([r[Window.WINDOW] for r in rows])
+            other = first_different([r[Window.STEP] for r in rows])
             if other is not None:
+                mine, theirs = rows[0][Window.STEP], rows[other][Window.STEP]
+                if mine and theirs:
+                    return (
+                        f"rank {other} is at step {theirs - 1}, rank 0 at step {mine - 1}: "
+                        "a rank skipped or repeated a reduce"
+                    )
                 return (
-                    f"ranks are in different windows: rank 0 in window {rows[0][Window.WINDOW]}, rank {other} in "
-                    f"window {rows[other][Window.WINDOW]} (a rank skipped or added a reduce)"
+                    f"rank {other} passed {_step(theirs)}, rank 0 {_step(mine)}: "
+                    "pass step= to reduce on every rank or on none"
                 )
             other = first_different([r[Window.POLICY] for r in rows])
             if other is None:
@@ -177,6 +188,10 @@ class Window:
             if r[Window.WEIGHT]:
                 bits = [a | b for a, b in zip(bits, r[Window.PRESENCE : Window.PRESENCE + words])]
         return global_weight, tuple(bits)
+
+
+def _step(word: int) -> str:
+    return f"step {word - 1}" if word else "no step"
 
 
 class Verify:

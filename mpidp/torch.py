@@ -126,6 +126,8 @@ class DataParallel:
         self,
         local_weight: int | torch.Tensor,
         policy: MissingGradientPolicy = MissingGradientPolicy.ERROR,
+        *,
+        step: int | torch.Tensor | None = None,
     ) -> int:
         """Turn every ``.grad`` (of local loss **sums**) into the global token mean, in place.
 
@@ -145,7 +147,11 @@ class DataParallel:
         and parameter untouched, when any rank's input is invalid (a missing
         gradient under policy ERROR, a replaced parameter, a gradient on a
         frozen one, a bad weight), ranks disagree on the policy, or the
-        global weight is 0.
+        global weight is 0. ``step`` (an int or a one-element integer
+        tensor, such as the optimizer's step count) is checked as by
+        :meth:`mpidp.DataParallel.reduce`: when any rank passes one, every
+        rank's must be equal, which catches a rank that skipped or repeated
+        a ``reduce``.
         """
         params = self._refresh()
         weight = _as_int(local_weight)
@@ -163,7 +169,7 @@ class DataParallel:
                 # a rank without tokens contributes zeros (its gradients are ignored): lend
                 # it the persistent flat storage instead of a new allocation every window
                 grads[head] = self._grads[head]
-        out = self._core.reduce(grads, weight, policy)
+        out = self._core.reduce(grads, weight, policy, step=None if step is None else _as_int(step))
         for head in self._core.trainable:
             p = params[head]
             g = out.gradients.get(head)

@@ -275,14 +275,65 @@ def test_reduce_refuses_ranks_disagreeing_on_policy(comm: MPI.Comm, dp: Any) -> 
 
 
 @pytest.mark.mpi(min_size=2)
-def test_reduce_refuses_ranks_in_different_windows(comm: MPI.Comm, dp: Any) -> None:
+def test_a_step_catches_a_rank_that_skipped_a_reduce(comm: MPI.Comm, dp: Any) -> None:
+    """The issue's case: rank 1 skips step 2; with step= every rank raises at that exchange, nothing moved."""
     grads = grads_for(dp.params, np.random.default_rng(0))
-    if comm.rank == comm.size - 1:
-        dp._window += 1  # as if this rank had run one reduce more than the others
+    reached: list[int] = []
+
+    def train() -> None:
+        for step in range(6):
+            if comm.rank == 1 and step == 2:
+                continue
+            before = snapshot(grads)
+            reached.append(step)
+            try:
+                dp.reduce(grads, 100 + comm.rank, step=step)
+            except ContractError:
+                assert snapshot(grads) == before
+                raise
+
+    same_error_everywhere(comm, train, ContractError, "rank 1 is at step 3, rank 0 at step 2: a rank skipped or repeated a reduce")
+    assert reached == ([0, 1, 3] if comm.rank == 1 else [0, 1, 2])
+    dp.reduce(grads, 1, step=7)  # the session goes on once the ranks are in step again
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_step_catches_a_rank_that_repeated_a_reduce(comm: MPI.Comm, dp: Any) -> None:
+    grads = grads_for(dp.params, np.random.default_rng(0))
+    dp.reduce(grads, 1, step=0)
+    last = comm.size - 1
     same_error_everywhere(
-        comm, lambda: dp.reduce(grads, 1), ContractError,
-        f"ranks are in different windows: rank 0 in window 1, rank {comm.size - 1} in window 2",
+        comm, lambda: dp.reduce(grads, 1, step=0 if comm.rank == last else 1), ContractError,
+        f"rank {last} is at step 0, rank 0 at step 1: a rank skipped or repeated a reduce",
     )
+
+
+@pytest.mark.mpi(min_size=2)
+def test_reduce_refuses_a_step_on_some_ranks_only(comm: MPI.Comm, dp: Any) -> None:
+    grads = grads_for(dp.params, np.random.default_rng(0))
+    last = comm.size - 1
+    same_error_everywhere(
+        comm, lambda: dp.reduce(grads, 1, step=None if comm.rank == last else 4), ContractError,
+        f"rank {last} passed no step, rank 0 step 4: pass step= to reduce on every rank or on none",
+    )
+    same_error_everywhere(
+        comm, lambda: dp.reduce(grads, 1, step=5 if comm.rank == last else None), ContractError,
+        f"rank {last} passed step 5, rank 0 no step",
+    )
+    dp.reduce(grads, 1)  # None on every rank: nothing to compare
+
+
+@pytest.mark.parametrize("step", [True, -1, 2.0, "3", 2**64 - 1])
+def test_reduce_refuses_a_bad_step_everywhere(comm: MPI.Comm, dp: Any, where: tuple[bool, int], step: Any) -> None:
+    mine, bad = where
+    grads = grads_for(dp.params, np.random.default_rng(0))
+    message = same_error_everywhere(comm, lambda: dp.reduce(grads, 1, step=step if mine else 0), ContractError, f"rank {bad}: step")
+    assert repr(step) in message or str(step) in message
+
+
+def test_reduce_takes_numpy_integer_steps(comm: MPI.Comm, dp: Any) -> None:
+    grads = grads_for(dp.params, np.random.default_rng(0))
+    dp.reduce(grads, 1, step=np.int64(9) if comm.rank % 2 else 9)
 
 
 @pytest.mark.mpi(min_size=2)

@@ -498,6 +498,22 @@ def test_reduce_refuses_a_parameter_unused_everywhere_under_error(comm: MPI.Comm
         assert model.unused.weight.grad is None and model.embed.weight.grad is not None
 
 
+@pytest.mark.mpi(min_size=2)
+def test_reduce_passes_the_step_to_the_exchange(comm: MPI.Comm) -> None:
+    """The optimizer's step count (an int or an integer tensor) catches a rank that skipped a reduce."""
+    model = TinyLM(100, extras=False)
+    with mpidp.torch.DataParallel(model, comm) as dp:
+        weight = window(comm, model)
+        dp.reduce(local_weight=weight, step=torch.tensor(0) if comm.rank % 2 else 0)
+        last = comm.size - 1
+        before = grads(model)
+        same_error_everywhere(
+            comm, lambda: dp.reduce(local_weight=weight, step=2 if comm.rank == last else 1), ContractError,
+            f"rank {last} is at step 2, rank 0 at step 1: a rank skipped or repeated a reduce",
+        )
+        assert grads(model) == before
+
+
 def test_reduce_refuses_a_zero_global_weight(comm: MPI.Comm) -> None:
     model = TinyLM(100, extras=False)
     with mpidp.torch.DataParallel(model, comm) as dp:

@@ -319,16 +319,16 @@ class DataParallel:
     def _check_replica(self) -> str | None:
         params = self._params
         if len(params) != len(self._contract):
-            return f"the parameter mapping changed after initialize: {len(params)} names, expected {len(self._contract)}"
+            return f"the parameter mapping changed after initialize: {len(params)} names, expected {len(self._contract)}{REBUILD}"
         get, signature = params.get, arrays.signature
         for (name, array, sig), info in zip(self._replica, self._infos):
             if get(name, None) is not array:
-                return f"parameter {name!r} was replaced or removed after initialize"
+                return f"parameter {name!r} was replaced or removed after initialize{REBUILD}"
             if signature(array) == sig:
                 continue
             now = arrays.describe(array)
             if now != info:
-                return f"parameter {name!r} changed after initialize: {now} was {info}"
+                return f"parameter {name!r} changed after initialize ({_changes(info, now)}){REBUILD}"
         return None
 
     def _usable(self) -> None:
@@ -502,6 +502,18 @@ def _check_weight(local_weight: Any, policy: Any, error: str | None) -> tuple[in
     if policy.__class__ is MissingGradientPolicy:
         return weight, policy.value, error
     return weight, 255, error or f"policy must be a MissingGradientPolicy, got {policy!r}"
+
+
+#: what every "changed after initialize" error tells the user to do
+REBUILD = "; build a new DataParallel after changing the model (mpidp does not follow a model changed after wrapping)"
+
+
+def _changes(was: arrays.ArrayInfo | None, now: arrays.ArrayInfo | None) -> str:
+    """What differs between a parameter's description at initialize and now, field by field."""
+    if was is None or now is None:
+        return f"{now} was {was}"
+    fields = ("backend", "dtype", "shape", "device")
+    return ", ".join(f"{f} {getattr(now, f)} was {getattr(was, f)}" for f in fields if getattr(now, f) != getattr(was, f))
 
 
 def _check_step(step: Any, error: str | None) -> tuple[int, str | None]:

@@ -241,16 +241,24 @@ def _into_flat(view: torch.Tensor) -> Any:
     Autograd accumulates into an existing ``.grad`` in place, so once a
     gradient is the view it stays there; a gradient autograd allocated anew
     (the first backward, or after ``zero_grad(set_to_none=True)``) is copied
-    in once. Sparse gradients are left as they are.
+    in once. Sparse gradients are left as they are, and so is a gradient
+    that no longer fits the view (a parameter whose ``.data`` was resized,
+    cast or moved after wrapping): the hook runs inside ``backward()`` and
+    never raises there; ``reduce`` names the changed parameter on every rank.
     """
 
     def hook(p: torch.Tensor) -> None:
         g = p.grad
-        if g is None or g is view or g.layout != torch.strided:  # autograd keeps shape and dtype
+        if g is None or g is view or g.layout != torch.strided:
             return
-        with torch.no_grad():
-            view.copy_(g)
-        p.grad = view
+        if g.shape != view.shape or g.dtype != view.dtype or g.device != view.device:
+            return  # the model changed after wrapping: reduce refuses it on every rank
+        try:
+            with torch.no_grad():
+                view.copy_(g)
+            p.grad = view
+        except Exception:  # noqa: BLE001 - never inside backward(): reduce checks what .grad holds
+            return
 
     return hook
 

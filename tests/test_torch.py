@@ -498,6 +498,42 @@ def test_reduce_refuses_a_parameter_unused_everywhere_under_error(comm: MPI.Comm
         assert model.unused.weight.grad is None and model.embed.weight.grad is not None
 
 
+def _resize_embedding(model: nn.Module) -> None:
+    """What Hugging Face's ``resize_token_embeddings`` does: new rows, the same Parameter, ``.data`` swapped."""
+    w = model.embed.weight
+    w.data = torch.cat([w.data, torch.zeros(3, D)])
+
+
+MODEL_CHANGES: dict[str, tuple[Callable[[nn.Module], Any], str]] = {
+    "cast": (lambda m: m.to(torch.bfloat16), "(dtype bfloat16 was float32)"),
+    "resize": (_resize_embedding, f"parameter 'embed.weight' changed after initialize (shape ({V + 3}, {D}) was ({V}, {D}))"),
+}
+
+
+@pytest.mark.parametrize("flat", [False, True], ids=["", "flat_parameters"])
+@pytest.mark.parametrize("case", sorted(MODEL_CHANGES))
+def test_a_model_changed_after_wrapping_is_refused_by_reduce_not_backward(
+    comm: MPI.Comm, where: tuple[bool, int], case: str, flat: bool
+) -> None:
+    """The gradient hook never raises inside backward(); reduce names the parameter on every rank."""
+    mine, bad = where
+    change, message = MODEL_CHANGES[case]
+    model = TinyLM(100, extras=False)
+    with mpidp.torch.DataParallel(model, comm, flat_parameters=flat) as dp:
+        window(comm, model)
+        dp.reduce(local_weight=1)  # the gradients live in mpidp's flat storage now
+        model.zero_grad()  # set_to_none, as optimizer.zero_grad() does (a stale .grad of the old shape: torch's own error)
+        if mine:
+            change(model)
+        weight = window(comm, model)  # backward() runs, whatever the model became
+        before = snapshot(dict(model.state_dict())), grads(model)
+        same_error_everywhere(
+            comm, lambda: dp.reduce(local_weight=weight), ContractError, f"rank {bad}: parameter ", message,
+            "; build a new DataParallel after changing the model",
+        )
+        assert (snapshot(dict(model.state_dict())), grads(model)) == before
+
+
 @pytest.mark.mpi(min_size=2)
 def test_reduce_passes_the_step_to_the_exchange(comm: MPI.Comm) -> None:
     """The optimizer's step count (an int or an integer tensor) catches a rank that skipped a reduce."""

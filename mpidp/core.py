@@ -16,9 +16,9 @@ import enum
 import numbers
 import warnings
 import zlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -38,6 +38,8 @@ from .packing import (
 )
 from .records import U64_MAX, Frame, Setup, Window
 from .window import Cache, Given, Slots, Transport, check_gradients, reduce_slots
+
+T = TypeVar("T")
 
 __all__ = ["ByteRegions", "DataParallel", "MPIComm", "MissingGradientPolicy", "ReducedGradients", "broadcast_regions", "flat_parameters", "start"]
 
@@ -369,6 +371,58 @@ class DataParallel:
         return contextlib.nullcontext() if gpu is None else gpu.current()
 
     # ------------------------------------------------------------- utilities
+
+    def join(self, batches: Iterable[T]) -> Iterator[T | None]:
+        """Yield this rank's batches, then None until no rank has a batch left: uneven shards (collective).
+
+        Every rank iterates the same number of times, the length of the
+        longest shard: ``for batch in dp.join(loader):`` yields each local
+        batch, then None on a rank whose batches ran out while another rank
+        still has one, and stops on every rank at once when none has. A rank
+        whose batch is None takes part in the window with weight 0 and no
+        gradients (``dp.reduce({}, 0)``; the ERROR policy allows it), then
+        steps its optimizer with the returned gradients like every other
+        rank, so replicas stay equal; the token-weighted mean makes the
+        result exact, as one process over the same batches. Each step
+        asks every rank one small agreed question (one Allgather of a
+        frame, watched by the watchdog); ``batches`` is not read past its
+        end. The same for Horovod's ``hvd.join()`` and DDP's ``Join``.
+
+        Raises ContractError on every rank when a rank's ``batches`` raised
+        (``rank r: the batches raised ...``; on that rank the exception is
+        the cause) or ranks are in different operations (a rank in
+        ``reduce`` while another asks for its next batch).
+        """
+        self._usable()
+        it: Iterator[T] | None = None
+        done = False
+        step = 0
+        while True:
+            batch: T | None = None
+            error: str | None = None
+            cause: BaseException | None = None
+            if not done:
+                try:
+                    if it is None:
+                        it = iter(batches)
+                    batch = next(it)
+                except StopIteration:
+                    done = True
+                except Exception as e:  # noqa: BLE001 - reported to every rank, raised there alike
+                    error, cause = f"the batches raised {type(e).__name__}: {e}", e
+            self._usable()
+            frame = self._frame.new(records.JOIN)
+            frame[records.Join.HAS] = not done
+            try:
+                rows = records.agree(self._comm, frame, error, f"join (step {step}): does any rank have a batch")
+            except ContractError as e:
+                if cause is not None:
+                    raise e from cause
+                raise
+            if not records.Join.any(rows):
+                return
+            step += 1
+            yield None if done else batch
 
     def verify_replicas(self) -> None:
         """Check that every rank's parameters are bitwise equal to the root's.

@@ -6,7 +6,7 @@ exchanges one fixed-size frame of unsigned 64-bit words, the same length
 for every operation of the session, so that ranks in different operations
 still match in MPI and learn that they are::
 
-    word 0   KIND     which operation: WINDOW (reduce), VERIFY, REGIONS (broadcast_buffers)
+    word 0   KIND     which operation: WINDOW (reduce), VERIFY, REGIONS (broadcast_buffers), JOIN
     word 1   ERROR    1 when this rank found an error before the exchange
     word 2.. body     the operation's own fields, named by its class (:class:`Window`, ...)
 
@@ -34,12 +34,15 @@ from .errors import ContractError
 if TYPE_CHECKING:
     from .comm import Communicator
 
-__all__ = ["REGIONS", "U64_MAX", "VERIFY", "WINDOW", "Frame", "RegionsRecord", "Setup", "Verify", "Window", "agree", "regions_disagreement"]
+__all__ = [
+    "JOIN", "REGIONS", "U64_MAX", "VERIFY", "WINDOW", "Frame", "Join", "RegionsRecord", "Setup", "Verify", "Window", "agree",
+    "regions_disagreement",
+]
 
 U64_MAX = (1 << 64) - 1
 #: operation kinds (word 0 of a frame)
-WINDOW, VERIFY, REGIONS = 1, 2, 3
-OPERATIONS = {WINDOW: "reduce", VERIFY: "verify_replicas", REGIONS: "broadcast_buffers"}
+WINDOW, VERIFY, REGIONS, JOIN = 1, 2, 3, 4
+OPERATIONS = {WINDOW: "reduce", VERIFY: "verify_replicas", REGIONS: "broadcast_buffers", JOIN: "join"}
 #: the words every frame starts with
 KIND, ERROR, BODY = 0, 1, 2
 
@@ -203,6 +206,17 @@ class Verify:
     def crcs(rows: Rows, heads: int) -> np.ndarray:
         """The ``(ranks, heads)`` table of CRCs."""
         return np.array([r[Verify.CRCS : Verify.CRCS + heads] for r in rows], dtype=np.uint64).reshape(len(rows), heads)
+
+
+class Join:
+    """The join record: whether this rank still has a batch (ranks differ there: that is the question)."""
+
+    HAS = BODY
+
+    @staticmethod
+    def any(rows: Rows) -> bool:
+        """Whether some rank still has a batch."""
+        return any(r[Join.HAS] for r in rows)
 
 
 class RegionsRecord:

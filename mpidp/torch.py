@@ -25,7 +25,8 @@ hidden in ``forward``.
 from __future__ import annotations
 
 import numbers
-from typing import Any
+from collections.abc import Iterable, Iterator
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -37,6 +38,8 @@ from .core import MissingGradientPolicy, MPIComm
 from .packing import DEFAULT_CHUNK_BYTES
 
 __all__ = ["DataParallel"]
+
+T = TypeVar("T")
 
 
 class DataParallel:
@@ -178,6 +181,25 @@ class DataParallel:
             elif p.grad is not g:
                 p.grad = g
         return out.global_weight
+
+    def join(self, batches: Iterable[T]) -> Iterator[T | None]:
+        """Yield this rank's batches, then None until no rank has one left (collective; uneven shards).
+
+        :meth:`mpidp.DataParallel.join` for a model: every rank iterates
+        as often as the longest shard. On a None batch skip the forward and
+        backward passes, call ``dp.reduce(local_weight=0)`` (its ``.grad``
+        become the global mean) and step the optimizer like every rank::
+
+            for batch in dp.join(loader):
+                n = 0
+                if batch is not None:
+                    x, y = batch
+                    loss_fn(model(x), y, reduction="sum").backward()
+                    n = y.numel()
+                dp.reduce(local_weight=n)
+                opt.step(); dp.zero_grad()
+        """
+        return self._core.join(batches)
 
     # ----------------------------------------------------------------- buffers
 

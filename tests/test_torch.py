@@ -187,6 +187,59 @@ def test_uneven_shards_equal_one_process_over_the_whole_batch(comm: MPI.Comm, ki
     assert snapshot(dict(model.unused.state_dict())) == snapshot(dict(reference.unused.state_dict()))
 
 
+def join_shards(size: int) -> list[list[list[Seq]]]:
+    """Per rank, its batches of 1-3 sequences: 3, 0, 5 and 2 of them (the second rank has no data at all)."""
+    counts = [3, 0, 5, 2][:size] if size > 1 else [4]
+    rng = np.random.default_rng(17)
+    return [[[sequence(rng, int(rng.integers(3, 12))) for _ in range(int(rng.integers(1, 4)))] for _ in range(n)] for n in counts]
+
+
+def train_with_join(comm: MPI.Comm) -> None:
+    """AdamW over uneven shards with dp.join: replicas bitwise equal, and equal to one process over the same batches."""
+    size, rank = comm.size, comm.rank
+    shards = join_shards(size)
+    model = TinyLM(100 + rank, extras=False)
+    opt = optimizer("adamw", model)
+    steps = 0
+    with mpidp.torch.DataParallel(model, comm) as dp:
+        for step, batch in enumerate(dp.join(shards[rank])):
+            tokens = 0
+            if batch is not None:
+                x, y = pad(batch)
+                loss_sum(model, x, y).backward()
+                tokens = int((y != IGNORE).sum())
+            dp.reduce(local_weight=tokens, step=step)  # weight 0 and no .grad where batch is None
+            opt.step()
+            dp.zero_grad()
+            steps += 1
+        dp.verify_replicas()
+    assert steps == max(len(s) for s in shards)
+    bitwise_equal_everywhere(comm, model)
+    reference = TinyLM(100, extras=False)
+    ref_opt = optimizer("adamw", reference)
+    for step in range(steps):
+        x, y = pad([seq for shard in shards if step < len(shard) for seq in shard[step]])
+        F.cross_entropy(reference(x).flatten(0, 1), y.flatten(), ignore_index=IGNORE).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    assert_close(state(model), state(reference))
+
+
+def test_join_trains_uneven_shards_as_one_process(comm: MPI.Comm) -> None:
+    train_with_join(comm)
+
+
+@pytest.mark.mpi(min_size=4)
+def test_join_trains_uneven_shards_at_three_ranks(comm: MPI.Comm) -> None:
+    three = comm.Split(0 if comm.rank < 3 else MPI.UNDEFINED, comm.rank)
+    if three == MPI.COMM_NULL:
+        return
+    try:
+        train_with_join(three)
+    finally:
+        three.Free()
+
+
 def test_equal_shards_match_distributed_data_parallel(comm: MPI.Comm) -> None:
     dist = torch.distributed
     if not dist.is_available() or not dist.is_gloo_available():

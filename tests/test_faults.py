@@ -65,6 +65,14 @@ def test_watchdog_aborts_a_rank_that_skipped_a_reduce() -> None:
     assert after <= 3 + 5, f"the job took {after:.1f} s to end after the skip"
 
 
+def test_watchdog_aborts_a_rank_left_alone_in_a_reduce_after_the_others_closed() -> None:
+    """Reduce twice, then close: the rank with the extra call is watched until the job ends (no silent hang)."""
+    code, out, after = job("extra", MPIDP_TIMEOUT="3")
+    assert code != 0, out
+    assert re.search(r"mpidp watchdog: rank 3 has waited [\d.]+ s in reduce \(window 21\): exchange", out), out
+    assert after <= 3 + 5, f"the job took {after:.1f} s to end after the extra reduce"
+
+
 @pytest.mark.parametrize("mode", ["late", "raise-early"])
 def test_watchdog_is_armed_while_initialize_waits(mode: str) -> None:
     """The session's first collective (the Dup of the user's communicator) is watched too."""

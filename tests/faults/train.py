@@ -10,6 +10,8 @@
   others wait in mpidp's exchange until the watchdog (MPIDP_TIMEOUT) aborts.
 - ``skip-buffers``: the same with the PyTorch adapter: rank 3 skips
   ``broadcast_buffers``, whose collectives the adapter's own watchdog watches.
+- ``extra``: rank 3 runs one reduce more than the others, which close the
+  session and exit; it waits in that reduce until the watchdog aborts.
 - ``late``: rank 3 comes to ``initialize`` 30 s after the others, which wait
   in its first collective (the communicator's Dup) until the watchdog aborts.
 - ``raise-early``: rank 3 raises before ``initialize`` (no abort hook yet:
@@ -65,5 +67,8 @@ for window in range(windows):
     out = dp.reduce(grads, 1)
     params["w"] -= 0.1 * out.gradients["w"]
 dp.verify_replicas()
+if mode == "extra" and rank == 3:
+    print(f"rank {rank}: one reduce too many at {time.time():.3f}", flush=True)
+    dp.reduce(grads, 1)
 dp.close()
 print(f"rank {rank}: done", flush=True)

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import same_error_everywhere, snapshot
+from conftest import first_ranks, same_error_everywhere, snapshot
 from mpi4py import MPI
 
 import mpidp
@@ -103,14 +103,9 @@ def test_uneven_shards_train_as_one_process_over_all_data(comm: MPI.Comm) -> Non
 
 @pytest.mark.mpi(min_size=4)
 def test_uneven_shards_at_three_ranks(comm: MPI.Comm) -> None:
-    three = comm.Split(0 if comm.rank < 3 else MPI.UNDEFINED, comm.rank)
-    if three == MPI.COMM_NULL:
-        return
-    try:
-        assert three.size == 3
-        check_training(three)
-    finally:
-        three.Free()
+    with first_ranks(comm, 3) as three:
+        if three is not None:
+            check_training(three)
 
 
 def test_no_data_anywhere_yields_nothing(comm: MPI.Comm) -> None:

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import clean_env, same_error_everywhere, snapshot
+from conftest import clean_env, first_ranks, same_error_everywhere, snapshot
 from mpi4py import MPI
 
 torch = pytest.importorskip("torch")
@@ -231,13 +231,9 @@ def test_join_trains_uneven_shards_as_one_process(comm: MPI.Comm) -> None:
 
 @pytest.mark.mpi(min_size=4)
 def test_join_trains_uneven_shards_at_three_ranks(comm: MPI.Comm) -> None:
-    three = comm.Split(0 if comm.rank < 3 else MPI.UNDEFINED, comm.rank)
-    if three == MPI.COMM_NULL:
-        return
-    try:
-        train_with_join(three)
-    finally:
-        three.Free()
+    with first_ranks(comm, 3) as three:
+        if three is not None:
+            train_with_join(three)
 
 
 def test_equal_shards_match_distributed_data_parallel(comm: MPI.Comm) -> None:

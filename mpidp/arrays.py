@@ -92,9 +92,10 @@ def problem(x: Any) -> str | None:
     if isinstance(x, np.ndarray):
         if isinstance(x, np.ma.MaskedArray):
             return "it is a masked array (mpidp would ignore its mask); pass .filled(0) or .data"
-        if not x.flags.writeable:
+        flags = x.flags
+        if not flags.writeable:
             return "it is read-only (mpidp writes into it in place)"
-        return _overlapping(x.shape, x.strides, x.itemsize)
+        return None if flags.c_contiguous else _overlapping(x.shape, x.strides, x.itemsize)
     backend = _backend(x)
     if backend == "torch":
         if str(x.layout) != "torch.strided":
@@ -103,10 +104,12 @@ def problem(x: Any) -> str | None:
             return f"it is on {x.device}; mpidp supports cpu and cuda"
         if x.is_neg() or x.is_conj():
             return "it is a lazy negated or conjugated view; call .resolve_neg() first"
+        if x.is_contiguous():
+            return None
         size = x.element_size()
         return _overlapping(tuple(x.shape), tuple(s * size for s in x.stride()), size)
     if backend == "cupy":
-        return _overlapping(x.shape, x.strides, x.itemsize)
+        return None if x.flags.c_contiguous else _overlapping(x.shape, x.strides, x.itemsize)
     return None
 
 

@@ -82,17 +82,80 @@ def describe(x: Any) -> ArrayInfo | None:
 
 
 def problem(x: Any) -> str | None:
-    """Say why mpidp cannot read and write ``x`` in place, or None (local)."""
+    """Say why mpidp cannot read and write ``x`` in place, or None (local).
+
+    Properties a rank may not share with the others (alignment, strides,
+    an ndarray subclass, writability) are either handled alike on every
+    rank (:func:`view`, the packing's stage) or named here, so that the
+    ranks agree on an error instead of issuing different collectives.
+    """
     if isinstance(x, np.ndarray):
-        return None if x.flags.writeable else "it is read-only (mpidp writes into it in place)"
-    if _backend(x) == "torch":
+        if isinstance(x, np.ma.MaskedArray):
+            return "it is a masked array (mpidp would ignore its mask); pass .filled(0) or .data"
+        flags = x.flags
+        if not flags.writeable:
+            return "it is read-only (mpidp writes into it in place)"
+        return None if flags.c_contiguous else _overlapping(x.shape, x.strides, x.itemsize)
+    backend = _backend(x)
+    if backend == "torch":
         if str(x.layout) != "torch.strided":
             return f"it is a {x.layout} tensor; pass a dense one (.to_dense())"
         if x.device.type not in ("cpu", "cuda"):
             return f"it is on {x.device}; mpidp supports cpu and cuda"
         if x.is_neg() or x.is_conj():
             return "it is a lazy negated or conjugated view; call .resolve_neg() first"
+        if x.is_contiguous():
+            return None
+        size = x.element_size()
+        return _overlapping(tuple(x.shape), tuple(s * size for s in x.stride()), size)
+    if backend == "cupy":
+        return None if x.flags.c_contiguous else _overlapping(x.shape, x.strides, x.itemsize)
     return None
+
+
+def _overlapping(shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int) -> str | None:
+    """Say that an array's own elements share memory (a stride of 0, ``expand``, ``as_strided``), or None."""
+    if internal_overlap(shape, strides, itemsize):
+        return (
+            f"its elements overlap in memory (shape {tuple(shape)}, strides {tuple(strides)}: a broadcast or "
+            "expanded view); each element needs its own memory, pass a copy"
+        )
+    return None
+
+
+#: arrays up to this many elements whose strides do not prove them free of self-overlap are checked element by element
+_OVERLAP_ENUMERATE = 1 << 20
+
+
+def internal_overlap(shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int) -> bool:
+    """Whether two elements of a strided array share a byte (pure arithmetic on the layout; reads no memory).
+
+    Strides sorted by size, each at least the extent of the smaller ones,
+    prove there is none: that covers every view made by slicing,
+    transposing or reshaping. Other layouts are checked element by element
+    up to a million elements, and counted as overlapping beyond.
+    """
+    dims = [(abs(s), n) for n, s in zip(shape, strides) if n != 1]
+    if any(n == 0 for _, n in dims):
+        return False
+    dims.sort()
+    extent = itemsize
+    for stride, n in dims:
+        if stride < extent:
+            break
+        extent += stride * (n - 1)
+    else:
+        return False
+    count = 1
+    for _, n in dims:
+        count *= n
+    if count > _OVERLAP_ENUMERATE:
+        return True
+    offsets = np.zeros(1, dtype=np.int64)
+    for stride, n in dims:
+        offsets = (offsets[:, None] + np.arange(n, dtype=np.int64) * stride).reshape(-1)
+    offsets.sort()
+    return bool((np.diff(offsets) < itemsize).any())
 
 
 def signature(x: Any) -> tuple[Any, ...]:
@@ -166,10 +229,12 @@ def view(x: Any) -> Any:
     """Return a NumPy (host) or CuPy (device) array sharing ``x``'s memory.
 
     Writes to the view are writes to ``x``. PyTorch tensors are detached
-    first; bfloat16 tensors are viewed through their bits.
+    first; bfloat16 tensors are viewed through their bits; an ndarray
+    subclass (``np.matrix``) is viewed as a plain ndarray.
     """
     if isinstance(x, np.ndarray):
-        return x
+        # a subclass (np.matrix keeps 2-D through reshape(-1)) would make this rank cut chunks unlike the others
+        return x if type(x) is np.ndarray else x.view(np.ndarray)
     backend = _backend(x)
     if backend == "cupy":
         return x

@@ -13,6 +13,7 @@ from __future__ import annotations
 import io
 import pickle
 import time
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -43,24 +44,36 @@ class Communicator:
 
     :attr:`operation` names the collective this rank is in (None when none)
     and :attr:`since` when it entered it: the collective watchdog reads them
-    to see where a rank waits.
+    to see where a rank waits. ``arm``, if given, is called with the new
+    object before the Dup, the session's first collective, so that a
+    watchdog it starts watches the Dup too.
     """
 
-    def __init__(self, comm: MPI.Comm) -> None:
+    def __init__(self, comm: MPI.Comm, arm: Callable[[Communicator], object] | None = None) -> None:
+        self.comm: MPI.Comm = MPI.COMM_NULL
+        self.rank: int = comm.Get_rank()
+        self.size: int = comm.Get_size()
+        self.operation: str | None = None  # the collective this rank is in, if any
+        self.since = 0.0
+        if arm is not None:
+            arm(self)
+        self._enter("initialize: MPI_Comm_dup")
         try:
             self.comm = comm.Dup()
         except MPI.Exception as e:  # pragma: no cover - MPI failure
             raise CollectiveError(f"MPI_Comm_dup failed: {e}") from e
+        finally:
+            self.operation = None
         self.comm.Set_errhandler(MPI.ERRORS_RETURN)
-        self.rank: int = self.comm.Get_rank()
-        self.size: int = self.comm.Get_size()
-        self.operation: str | None = None  # the collective this rank is in, if any
-        self.since = 0.0
 
     def close(self) -> None:
-        """Free the duplicate communicator (collective)."""
+        """Free the duplicate communicator (collective; watched like every other)."""
         if self.comm != MPI.COMM_NULL:
-            self.comm.Free()
+            self._enter("close: MPI_Comm_free")
+            try:
+                self.comm.Free()
+            finally:
+                self.operation = None
 
     def _enter(self, operation: str) -> None:
         self.since = time.monotonic()
@@ -156,16 +169,18 @@ class Communicator:
             self.operation = None
 
 
-def duplicate(comm: MPIComm | None) -> Communicator:
+def duplicate(comm: MPIComm | None, arm: Callable[[Communicator], object] | None = None) -> Communicator:
     """Duplicate the user's mpi4py communicator (None: ``COMM_WORLD``); collective on it.
 
-    Raises TypeError, locally, when ``comm`` is not an mpi4py communicator.
+    ``arm`` is called with the :class:`Communicator` before the Dup (see
+    there). Raises TypeError, locally, when ``comm`` is not an mpi4py
+    communicator.
     """
     if comm is None:
         comm = MPI.COMM_WORLD
     if not isinstance(comm, MPI.Comm):
         raise TypeError(f"comm must be an mpi4py communicator, got {type(comm).__name__}")
-    return Communicator(comm)
+    return Communicator(comm, arm)
 
 
 class World(NamedTuple):

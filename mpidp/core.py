@@ -16,9 +16,9 @@ import enum
 import numbers
 import warnings
 import zlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
 
@@ -38,6 +38,8 @@ from .packing import (
 )
 from .records import U64_MAX, Frame, Setup, Window
 from .window import Cache, Given, Slots, Transport, check_gradients, reduce_slots
+
+T = TypeVar("T")
 
 __all__ = ["Agreed", "ByteRegions", "DataParallel", "MPIComm", "MissingGradientPolicy", "ReducedGradients", "broadcast_regions", "flat_parameters", "start"]
 
@@ -136,9 +138,10 @@ class DataParallel:
         rank). ``device`` is this rank's device (``"cpu"`` or ``"cuda:N"``);
         None takes the first parameter's. ``abort_on_exception`` makes an
         uncaught exception on any rank abort the whole job instead of
-        leaving the others waiting. ``timeout`` (seconds, default from
-        ``MPIDP_TIMEOUT``) arms a watchdog that aborts the job when a rank
-        waits longer than that in one mpidp collective.
+        leaving the others waiting. ``timeout`` (seconds; None: from
+        ``MPIDP_TIMEOUT``, which defaults to 1800; 0: off) is the watchdog's:
+        it aborts the job when a rank waits longer than that in one mpidp
+        collective, this call's own included.
 
         Raises ContractError on every rank if any rank's replica is invalid
         or differs from another's; nothing is modified then.
@@ -231,6 +234,8 @@ class DataParallel:
         grads: Mapping[str, Any],
         local_weight: int,
         policy: MissingGradientPolicy = MissingGradientPolicy.ERROR,
+        *,
+        step: int | None = None,
     ) -> ReducedGradients:
         """Turn gradients of local loss **sums** into the global token mean.
 
@@ -249,6 +254,14 @@ class DataParallel:
         weight 0 are ignored (counted as zeros). Parameters no weighted rank
         has a gradient for are absent from the result.
 
+        ``step`` is a number the caller counts, such as the optimizer step.
+        When any rank passes one, every rank must pass the same one: a rank
+        that skipped or repeated a ``reduce`` is then an error on every rank
+        instead of gradients silently paired with another rank's window (the
+        ranks cannot tell otherwise: each rank's n-th call is its window n).
+        None on every rank (the default) checks nothing. It travels in the
+        window's exchange: no extra collective.
+
         Refilling the same arrays every window is the fast path: arrays that
         are the last window's objects, unchanged, skip their checks, and from
         the second window in a row the views cut for them are kept (and the
@@ -257,12 +270,12 @@ class DataParallel:
 
         Raises ContractError identically on every rank, before anything is
         modified, when any rank's input is invalid, ranks disagree on the
-        policy, or the global weight is 0. Raises CollectiveError if MPI
+        policy or the step, or the global weight is 0. Raises CollectiveError if MPI
         fails while gradients move: like the reference design, which consumes
         its input, the gradient arrays are then unspecified, and every later
         call on this session raises CollectiveError too.
         """
-        agreed = self.agree_window(grads, local_weight, policy)
+        agreed = self.agree_window(grads, local_weight, policy, step=step)
         given, weight, global_weight, key = agreed.given, agreed.weight, agreed.global_weight, agreed.key
         operation = f"reduce (window {self._window})"
         entry = self._cache.plan(key, self._slots.sizes, len(self._transport.stage))
@@ -276,11 +289,13 @@ class DataParallel:
             raise
         return ReducedGradients(out, global_weight)
 
-    def agree_window(self, grads: Mapping[str, Any], local_weight: Any, policy: Any, error: str | None = None) -> Agreed:
+    def agree_window(
+        self, grads: Mapping[str, Any], local_weight: Any, policy: Any, error: str | None = None, *, step: Any = None,
+    ) -> Agreed:
         """:meth:`reduce` up to the movement: check locally, then agree (collective; moves no gradient).
 
         ``error`` is the caller's own local error (an adapter's), agreed like
-        the core's. Raises ContractError on every rank as :meth:`reduce` does;
+        the core's; ``step`` as in :meth:`reduce`. Raises ContractError on every rank as :meth:`reduce` does;
         otherwise every rank holds the same facts of the window.
         """
         self._usable()
@@ -292,6 +307,12 @@ class DataParallel:
             weight, code = local_weight, policy.value  # the usual window, cheaply
         else:
             weight, code, error = _check_weight(local_weight, policy, error)
+        if step is None:
+            step_word = 0
+        elif type(step) is int and 0 <= step < U64_MAX:
+            step_word = step + 1
+        else:
+            step_word, error = _check_step(step, error)
         complete = all(x is not None for x in given)
         if error is None and code == MissingGradientPolicy.ERROR.value and weight > 0 and not complete:
             missing = self._slots.groups[next(i for i, x in enumerate(given) if x is None)].name
@@ -300,7 +321,7 @@ class DataParallel:
                 "pass policy=MissingGradientPolicy.ZERO if it is legitimately unused"
             )
         presence = self._slots.complete if complete else self._slots.presence([x is not None for x in given])
-        Window.fill(self._window_frame, self._window, code, weight, presence)
+        Window.fill(self._window_frame, step_word, code, weight, presence)
         try:
             rows = records.agree(self._comm, self._window_frame, error, f"{operation}: exchange", self._judge, Window.AGREED)
             global_weight, key = Window.facts(rows, self._slots.words)
@@ -329,16 +350,16 @@ class DataParallel:
     def _check_replica(self) -> str | None:
         params = self._params
         if len(params) != len(self._contract):
-            return f"the parameter mapping changed after initialize: {len(params)} names, expected {len(self._contract)}"
+            return f"the parameter mapping changed after initialize: {len(params)} names, expected {len(self._contract)}{REBUILD}"
         get, signature = params.get, arrays.signature
         for (name, array, sig), info in zip(self._replica, self._infos):
             if get(name, None) is not array:
-                return f"parameter {name!r} was replaced or removed after initialize"
+                return f"parameter {name!r} was replaced or removed after initialize{REBUILD}"
             if signature(array) == sig:
                 continue
             now = arrays.describe(array)
             if now != info:
-                return f"parameter {name!r} changed after initialize: {now} was {info}"
+                return f"parameter {name!r} changed after initialize ({_changes(info, now)}){REBUILD}"
         return None
 
     def _usable(self) -> None:
@@ -391,7 +412,9 @@ class DataParallel:
             self._buckets = overlap.Buckets(comm, self._comm, self._slots.sizes, agreed, bucket_bytes // 4, self._chunk_bytes // 4)
         return self._buckets
 
-    def reduce_buckets(self, grads: Mapping[str, Any], local_weight: Any, policy: Any, error: str | None, fill: Callable[[int], None]) -> Agreed:
+    def reduce_buckets(
+        self, grads: Mapping[str, Any], local_weight: Any, policy: Any, error: str | None, fill: Callable[[int], None], *, step: Any = None,
+    ) -> Agreed:
         """:meth:`reduce` for gradients that went into :meth:`reduction_buckets` while backward ran.
 
         Collective: every rank must call it once per window. Checks and
@@ -408,7 +431,7 @@ class DataParallel:
         assert buckets is not None, "reduction_buckets() first"
         operation = f"reduce (window {self._window + 1}): Iallreduce"
         try:
-            agreed = self.agree_window(grads, local_weight, policy, error)
+            agreed = self.agree_window(grads, local_weight, policy, error, step=step)
         except ContractError:
             if not self._closed:
                 buckets.drain(operation)
@@ -438,6 +461,58 @@ class DataParallel:
         return contextlib.nullcontext() if gpu is None else gpu.current()
 
     # ------------------------------------------------------------- utilities
+
+    def join(self, batches: Iterable[T]) -> Iterator[T | None]:
+        """Yield this rank's batches, then None until no rank has a batch left: uneven shards (collective).
+
+        Every rank iterates the same number of times, the length of the
+        longest shard: ``for batch in dp.join(loader):`` yields each local
+        batch, then None on a rank whose batches ran out while another rank
+        still has one, and stops on every rank at once when none has. A rank
+        whose batch is None takes part in the window with weight 0 and no
+        gradients (``dp.reduce({}, 0)``; the ERROR policy allows it), then
+        steps its optimizer with the returned gradients like every other
+        rank, so replicas stay equal; the token-weighted mean makes the
+        result exact, as one process over the same batches. Each step
+        asks every rank one small agreed question (one Allgather of a
+        frame, watched by the watchdog); ``batches`` is not read past its
+        end. The same for Horovod's ``hvd.join()`` and DDP's ``Join``.
+
+        Raises ContractError on every rank when a rank's ``batches`` raised
+        (``rank r: the batches raised ...``; on that rank the exception is
+        the cause) or ranks are in different operations (a rank in
+        ``reduce`` while another asks for its next batch).
+        """
+        self._usable()
+        it: Iterator[T] | None = None
+        done = False
+        step = 0
+        while True:
+            batch: T | None = None
+            error: str | None = None
+            cause: BaseException | None = None
+            if not done:
+                try:
+                    if it is None:
+                        it = iter(batches)
+                    batch = next(it)
+                except StopIteration:
+                    done = True
+                except Exception as e:  # noqa: BLE001 - reported to every rank, raised there alike
+                    error, cause = f"the batches raised {type(e).__name__}: {e}", e
+            self._usable()
+            frame = self._frame.new(records.JOIN)
+            frame[records.Join.HAS] = not done
+            try:
+                rows = records.agree(self._comm, frame, error, f"join (step {step}): does any rank have a batch")
+            except ContractError as e:
+                if cause is not None:
+                    raise e from cause
+                raise
+            if not records.Join.any(rows):
+                return
+            step += 1
+            yield None if done else batch
 
     def verify_replicas(self) -> None:
         """Check that every rank's parameters are bitwise equal to the root's.
@@ -472,13 +547,15 @@ class DataParallel:
             return
         self._closed = True
         self._cache.forget()  # release the last windows' gradient arrays
-        if self._buckets is not None:
-            if self._failed is None:
-                self._buckets.drain("close: Iallreduce")  # every rank starts every bucket of a window
-            self._buckets.comm.close()
-        if self._watchdog is not None:
-            self._watchdog.close()
-        self._comm.close()
+        try:
+            if self._buckets is not None:
+                if self._failed is None:
+                    self._buckets.drain("close: Iallreduce")  # every rank starts every bucket of a window
+                self._buckets.comm.close()
+            self._comm.close()  # watched, like every collective of the session
+        finally:
+            if self._watchdog is not None:
+                self._watchdog.close()
 
     def __enter__(self) -> DataParallel:  # noqa: PYI034 - Self needs Python 3.11
         """Return this session (local)."""
@@ -500,29 +577,43 @@ def start(
     ``options`` are initialize's keyword arguments. The regions' entries are
     part of the initialize record, and ``regions.error`` is this rank's
     error (before the core's own): one agreement, one communicator, one
-    watchdog for the parameters and the regions.
+    watchdog for the parameters and the regions. The watchdog is armed
+    before the communicator's Dup: every collective of the session is
+    watched, from the first (a rank that never comes) to ``close``.
     """
-    c = _mpi.duplicate(comm)
-    watchdog: guard.Watchdog | None = None
+    try:
+        timeout, setup_error = guard.resolve_timeout(options["timeout"]), None
+    except ValueError as e:  # refused on every rank at the agreement, which the default watches meanwhile
+        timeout, setup_error = guard.DEFAULT_TIMEOUT, str(e)
+    dogs: list[guard.Watchdog] = []
+
+    def arm(c: Communicator) -> None:
+        if timeout:
+            dogs.append(guard.Watchdog(c, timeout))
+
+    try:
+        c = _mpi.duplicate(comm, arm)
+    except BaseException:
+        for dog in dogs:
+            dog.close()
+        raise
+    watchdog = dogs[0] if dogs else None
     try:
         world = _mpi.world()
         warning = launch.check_world(world.size, world.library)
         if warning is not None:
             warnings.warn(warning, launch.LaunchWarning, stacklevel=3)
-        try:
-            timeout, setup_error = guard.resolve_timeout(options["timeout"]), None
-        except ValueError as e:
-            timeout, setup_error = None, str(e)
-        watchdog = guard.Watchdog(c, timeout) if timeout else None
         local = checks.setup(c, params, root, frozen, options, regions, setup_error)  # check locally
         everyone = records.agree(c, local.setup, local.error, "initialize: agreement")  # agree
         self = DataParallel(c, params, local, watchdog)
         self._broadcast(everyone)  # move
         self._move_regions(regions, "buffers: Bcast")
     except BaseException:
-        if watchdog is not None:
-            watchdog.close()
-        c.close()
+        try:
+            c.close()
+        finally:
+            if watchdog is not None:
+                watchdog.close()
         raise
     if c.size > 1:  # the latest session decides, for the process
         guard.install_abort_hook(world.rank, bool(options["abort_on_exception"]))
@@ -559,6 +650,27 @@ def _check_weight(local_weight: Any, policy: Any, error: str | None) -> tuple[in
     if policy.__class__ is MissingGradientPolicy:
         return weight, policy.value, error
     return weight, 255, error or f"policy must be a MissingGradientPolicy, got {policy!r}"
+
+
+#: what every "changed after initialize" error tells the user to do
+REBUILD = "; build a new DataParallel after changing the model (mpidp does not follow a model changed after wrapping)"
+
+
+def _changes(was: arrays.ArrayInfo | None, now: arrays.ArrayInfo | None) -> str:
+    """What differs between a parameter's description at initialize and now, field by field."""
+    if was is None or now is None:
+        return f"{now} was {was}"
+    fields = ("backend", "dtype", "shape", "device")
+    return ", ".join(f"{f} {getattr(now, f)} was {getattr(was, f)}" for f in fields if getattr(now, f) != getattr(was, f))
+
+
+def _check_step(step: Any, error: str | None) -> tuple[int, str | None]:
+    """The STEP word of this rank's window record (step + 1), and the first error (local)."""
+    if isinstance(step, bool) or not isinstance(step, numbers.Integral):
+        return 0, error or f"step must be None or a non-negative int, got {type(step).__name__} {step!r}"
+    if not 0 <= int(step) < U64_MAX:
+        return 0, error or f"step {step} is outside [0, 2**64 - 2]"
+    return int(step) + 1, error
 
 
 def _check_global_weight(global_weight: int) -> None:

@@ -1,4 +1,4 @@
-"""Abort the MPI job on an uncaught exception; an opt-in collective watchdog (MPI through :mod:`mpidp.comm`)."""
+"""Abort the MPI job on an uncaught exception; the collective watchdog, on by default (MPI through :mod:`mpidp.comm`)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,11 @@ from types import TracebackType
 from . import comm as _mpi
 from .comm import Communicator
 
-__all__ = ["Watchdog", "install_abort_hook", "resolve_timeout", "timeout_from_env"]
+__all__ = ["DEFAULT_TIMEOUT", "Watchdog", "install_abort_hook", "resolve_timeout", "timeout_from_env"]
+
+#: the watchdog's seconds when neither ``timeout=`` nor ``MPIDP_TIMEOUT`` says otherwise: 30 minutes,
+#: torch.distributed's default collective timeout, so that no hang is silent by default
+DEFAULT_TIMEOUT = 1800.0
 
 _installed = False
 #: whether the installed hook aborts: set by every initialize (the latest one's ``abort_on_exception`` wins)
@@ -58,10 +62,10 @@ def install_abort_hook(rank: int, enabled: bool = True) -> None:
 
 
 def timeout_from_env() -> float | None:
-    """Read ``MPIDP_TIMEOUT`` (seconds; unset, empty or 0 means off; negative or NaN is an error)."""
-    raw = os.environ.get("MPIDP_TIMEOUT", "").strip()
+    """Read ``MPIDP_TIMEOUT`` (seconds; unset or empty: :data:`DEFAULT_TIMEOUT`; 0: off, None; negative or NaN: an error)."""
+    raw = os.environ.get("MPIDP_TIMEOUT", "1800").strip()  # DEFAULT_TIMEOUT, as docs/environment.md says
     if not raw:
-        return None
+        return DEFAULT_TIMEOUT
     try:
         value = float(raw)
     except ValueError as e:
@@ -72,7 +76,7 @@ def timeout_from_env() -> float | None:
 
 
 def resolve_timeout(timeout: object) -> float | None:
-    """The watchdog's seconds from ``timeout=`` (None: ``MPIDP_TIMEOUT``); None when off.
+    """The watchdog's seconds from ``timeout=`` (None: ``MPIDP_TIMEOUT``, by default 1800); None when off (0).
 
     Raises ValueError naming the bad value: a negative number, NaN, or not a number.
     """

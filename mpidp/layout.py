@@ -9,7 +9,6 @@ copies parameters into the same kind of storage.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -20,7 +19,6 @@ from .packing import Slot, plan, slot
 
 __all__ = ["FlatGradients", "crc_bytes", "flat_parameters", "overlap", "region", "runs", "strided_bounds"]
 
-byte_bounds = getattr(np, "byte_bounds", None) or np.lib.array_utils.byte_bounds
 
 
 def strided_bounds(address: int, shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int) -> tuple[int, int]:
@@ -35,21 +33,39 @@ def strided_bounds(address: int, shape: tuple[int, ...], strides: tuple[int, ...
 
 
 def overlap(views: Sequence[Any], names: Sequence[str]) -> str | None:
-    """Name two gradients whose memory overlaps (each result needs its own memory), or None."""
+    """Name two gradients that share memory (each result needs its own memory), or None.
+
+    Views whose byte ranges intersect are compared exactly, so that
+    interleaved views that share no element (``buf[0::2]`` and
+    ``buf[1::2]``) are accepted.
+    """
     ranges = []
     for v, name in zip(views, names):
         if not v.size:
             continue
-        if isinstance(v, np.ndarray):
-            lo, hi = byte_bounds(v)
-        else:  # a CuPy view: device addresses (one device per rank)
-            lo, hi = strided_bounds(v.data.ptr, v.shape, v.strides, v.itemsize)
-        ranges.append((lo, hi, name))
+        address = arrays.address(v)  # a CuPy view: device addresses (one device per rank), compared alike
+        ranges.append((*strided_bounds(address, v.shape, v.strides, v.itemsize), name, v, address))
     ranges.sort(key=lambda r: r[0])
-    for (_, hi, a), (lo, _, b) in itertools.pairwise(ranges):  # the first overlap is between neighbours
-        if lo < hi:
-            return f"gradients {a!r} and {b!r} share memory (each needs its own)"
+    for i, (_, hi, a, v, address) in enumerate(ranges):
+        for lo, _, b, w, other in ranges[i + 1 :]:
+            if lo >= hi:  # sorted by start: no later range reaches into this one
+                break
+            if np.shares_memory(_layout(v, address), _layout(w, other)):  # exact; arithmetic only
+                return f"gradients {a!r} and {b!r} share memory (each needs its own)"
     return None
+
+
+class _Layout:
+    """An address, shape and strides as NumPy sees an array, for :func:`numpy.shares_memory` (never read)."""
+
+    def __init__(self, v: Any, address: int) -> None:
+        self.__array_interface__ = {
+            "data": (address, False), "shape": tuple(v.shape), "strides": tuple(v.strides), "typestr": f"|V{v.itemsize}", "version": 3,
+        }
+
+
+def _layout(v: Any, address: int) -> np.ndarray:
+    return np.asarray(_Layout(v, address))
 
 
 def runs(heads: Sequence[Any], device: str) -> tuple[tuple[int, ...], ...] | None:

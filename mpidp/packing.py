@@ -97,7 +97,7 @@ class Slot(NamedTuple):
     flat: np.ndarray  # 1-D, C-contiguous, same memory as the array (or a temporary copy)
     address: int
     itemsize: int
-    float32: bool
+    float32: bool  # aligned float32: MPI may sum it where it lies (an unaligned one goes through the stage)
     original: Any  # the view to copy ``flat`` back into when it is a temporary, else None
 
 
@@ -108,7 +108,8 @@ def slot(v: Any) -> Slot:
     else:
         flat, original = arrays.xp(v).ascontiguousarray(v).reshape(-1), v
     address = arrays.address(flat) if flat.size else 0
-    return Slot(flat, address, flat.itemsize, flat.dtype == np.float32, original)
+    aligned = not isinstance(flat, np.ndarray) or flat.flags.aligned  # mpi4py cannot map an unaligned buffer's '=f'
+    return Slot(flat, address, flat.itemsize, flat.dtype == np.float32 and aligned, original)
 
 
 def direct(call: Call, slots: Sequence[Any], itemsize: int) -> np.ndarray | None:

@@ -6,7 +6,7 @@ exchanges one fixed-size frame of unsigned 64-bit words, the same length
 for every operation of the session, so that ranks in different operations
 still match in MPI and learn that they are::
 
-    word 0   KIND     which operation: WINDOW (reduce), VERIFY, REGIONS (broadcast_buffers)
+    word 0   KIND     which operation: WINDOW (reduce), VERIFY, REGIONS (broadcast_buffers), JOIN
     word 1   ERROR    1 when this rank found an error before the exchange
     word 2.. body     the operation's own fields, named by its class (:class:`Window`, ...)
 
@@ -34,12 +34,15 @@ from .errors import ContractError
 if TYPE_CHECKING:
     from .comm import Communicator
 
-__all__ = ["REGIONS", "U64_MAX", "VERIFY", "WINDOW", "Frame", "RegionsRecord", "Setup", "Verify", "Window", "agree", "regions_disagreement"]
+__all__ = [
+    "JOIN", "REGIONS", "U64_MAX", "VERIFY", "WINDOW", "Frame", "Join", "RegionsRecord", "Setup", "Verify", "Window", "agree",
+    "regions_disagreement",
+]
 
 U64_MAX = (1 << 64) - 1
 #: operation kinds (word 0 of a frame)
-WINDOW, VERIFY, REGIONS = 1, 2, 3
-OPERATIONS = {WINDOW: "reduce", VERIFY: "verify_replicas", REGIONS: "broadcast_buffers"}
+WINDOW, VERIFY, REGIONS, JOIN = 1, 2, 3, 4
+OPERATIONS = {WINDOW: "reduce", VERIFY: "verify_replicas", REGIONS: "broadcast_buffers", JOIN: "join"}
 #: the words every frame starts with
 KIND, ERROR, BODY = 0, 1, 2
 
@@ -128,9 +131,14 @@ class Frame:
 
 
 class Window:
-    """The reduce record: window number and policy (every rank's must be equal), weight, presence bits."""
+    """The reduce record: the caller's step and the policy (every rank's must be equal), weight, presence bits.
 
-    WINDOW, POLICY, WEIGHT, PRESENCE = BODY, BODY + 1, BODY + 2, BODY + 3
+    The STEP word is 0 when the caller passed no step, else step + 1. Each
+    rank numbers its own reduce calls, so only a number the caller counts
+    (``reduce(..., step=)``) can tell that a rank skipped or repeated one.
+    """
+
+    STEP, POLICY, WEIGHT, PRESENCE = BODY, BODY + 1, BODY + 2, BODY + 3
     #: frame words ``[0, AGREED)`` are equal on every rank of a window that goes ahead
     AGREED = BODY + 2
 
@@ -140,23 +148,29 @@ class Window:
         return 3 + (slots + 63) // 64
 
     @staticmethod
-    def fill(frame: np.ndarray, window: int, policy: int, weight: int, presence: np.ndarray) -> None:
-        """Write this rank's window record into a WINDOW ``frame``."""
-        frame[Window.WINDOW] = window
+    def fill(frame: np.ndarray, step: int, policy: int, weight: int, presence: np.ndarray) -> None:
+        """Write this rank's window record into a WINDOW ``frame`` (``step``: the STEP word)."""
+        frame[Window.STEP] = step
         frame[Window.POLICY] = policy
         frame[Window.WEIGHT] = weight
         frame[Window.PRESENCE : Window.PRESENCE + presence.size] = presence
 
     @staticmethod
     def judge(policies: Callable[[int], Any]) -> Judge:
-        """The judge of a window table whose agreed words differ: ranks in different windows, then policies."""
+        """The judge of a window table whose agreed words differ: ranks at different steps, then policies."""
 
         def disagreement(rows: Rows) -> str | None:
-            other = first_different([r[Window.WINDOW] for r in rows])
+            other = first_different([r[Window.STEP] for r in rows])
             if other is not None:
+                mine, theirs = rows[0][Window.STEP], rows[other][Window.STEP]
+                if mine and theirs:
+                    return (
+                        f"rank {other} is at step {theirs - 1}, rank 0 at step {mine - 1}: "
+                        "a rank skipped or repeated a reduce"
+                    )
                 return (
-                    f"ranks are in different windows: rank 0 in window {rows[0][Window.WINDOW]}, rank {other} in "
-                    f"window {rows[other][Window.WINDOW]} (a rank skipped or added a reduce)"
+                    f"rank {other} passed {_step(theirs)}, rank 0 {_step(mine)}: "
+                    "pass step= to reduce on every rank or on none"
                 )
             other = first_different([r[Window.POLICY] for r in rows])
             if other is None:
@@ -184,6 +198,10 @@ class Window:
         return np.unpackbits(np.array(key, dtype=np.uint64).view(np.uint8), count=slots).astype(bool).tolist()
 
 
+def _step(word: int) -> str:
+    return f"step {word - 1}" if word else "no step"
+
+
 class Verify:
     """The verify_replicas record: a CRC-32 of every tie-group head's bytes, in contract order."""
 
@@ -193,6 +211,17 @@ class Verify:
     def crcs(rows: Rows, heads: int) -> np.ndarray:
         """The ``(ranks, heads)`` table of CRCs."""
         return np.array([r[Verify.CRCS : Verify.CRCS + heads] for r in rows], dtype=np.uint64).reshape(len(rows), heads)
+
+
+class Join:
+    """The join record: whether this rank still has a batch (ranks differ there: that is the question)."""
+
+    HAS = BODY
+
+    @staticmethod
+    def any(rows: Rows) -> bool:
+        """Whether some rank still has a batch."""
+        return any(r[Join.HAS] for r in rows)
 
 
 class RegionsRecord:

@@ -25,8 +25,9 @@ hidden in ``forward``.
 from __future__ import annotations
 
 import numbers
+from collections.abc import Iterable, Iterator
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -39,6 +40,8 @@ from .packing import DEFAULT_CHUNK_BYTES
 from .torch_overlap import Overlap
 
 __all__ = ["DataParallel"]
+
+T = TypeVar("T")
 
 
 class DataParallel:
@@ -150,6 +153,8 @@ class DataParallel:
         self,
         local_weight: int | torch.Tensor,
         policy: MissingGradientPolicy = MissingGradientPolicy.ERROR,
+        *,
+        step: int | torch.Tensor | None = None,
     ) -> int:
         """Turn every ``.grad`` (of local loss **sums**) into the global token mean, in place.
 
@@ -169,13 +174,17 @@ class DataParallel:
         and parameter untouched, when any rank's input is invalid (a missing
         gradient under policy ERROR, a replaced parameter, a gradient on a
         frozen one, a bad weight), ranks disagree on the policy, or the
-        global weight is 0.
+        global weight is 0. ``step`` (an int or a one-element integer
+        tensor, such as the optimizer's step count) is checked as by
+        :meth:`mpidp.DataParallel.reduce`: when any rank passes one, every
+        rank's must be equal, which catches a rank that skipped or repeated
+        a ``reduce``.
         """
         params = self._refresh()
         weight = _as_int(local_weight)
         if self._overlap is not None:  # the checks read .grad (a sparse one as its dense copy); the buckets move it
             given = {h: g if g.layout == torch.strided else g.to_dense() for h in self._heads if h in params and (g := params[h].grad) is not None}
-            return self._overlap.reduce(self._core, given, weight, policy)
+            return self._overlap.reduce(self._core, given, weight, policy, None if step is None else _as_int(step))
         grads: dict[str, Any] = {}
         for head in self._heads:
             p = params.get(head)
@@ -190,7 +199,7 @@ class DataParallel:
                 # a rank without tokens contributes zeros (its gradients are ignored): lend
                 # it the persistent flat storage instead of a new allocation every window
                 grads[head] = self._grads[head]
-        out = self._core.reduce(grads, weight, policy)
+        out = self._core.reduce(grads, weight, policy, step=None if step is None else _as_int(step))
         for head in self._core.trainable:
             p = params[head]
             g = out.gradients.get(head)
@@ -199,6 +208,25 @@ class DataParallel:
             elif p.grad is not g:
                 p.grad = g
         return out.global_weight
+
+    def join(self, batches: Iterable[T]) -> Iterator[T | None]:
+        """Yield this rank's batches, then None until no rank has one left (collective; uneven shards).
+
+        :meth:`mpidp.DataParallel.join` for a model: every rank iterates
+        as often as the longest shard. On a None batch skip the forward and
+        backward passes, call ``dp.reduce(local_weight=0)`` (its ``.grad``
+        become the global mean) and step the optimizer like every rank::
+
+            for batch in dp.join(loader):
+                n = 0
+                if batch is not None:
+                    x, y = batch
+                    loss_fn(model(x), y, reduction="sum").backward()
+                    n = y.numel()
+                dp.reduce(local_weight=n)
+                opt.step(); dp.zero_grad()
+        """
+        return self._core.join(batches)
 
     # ----------------------------------------------------------------- buffers
 
@@ -277,16 +305,24 @@ def _into_flat(view: torch.Tensor) -> Any:
     Autograd accumulates into an existing ``.grad`` in place, so once a
     gradient is the view it stays there; a gradient autograd allocated anew
     (the first backward, or after ``zero_grad(set_to_none=True)``) is copied
-    in once. Sparse gradients are left as they are.
+    in once. Sparse gradients are left as they are, and so is a gradient
+    that no longer fits the view (a parameter whose ``.data`` was resized,
+    cast or moved after wrapping): the hook runs inside ``backward()`` and
+    never raises there; ``reduce`` names the changed parameter on every rank.
     """
 
     def hook(p: torch.Tensor) -> None:
         g = p.grad
-        if g is None or g is view or g.layout != torch.strided:  # autograd keeps shape and dtype
+        if g is None or g is view or g.layout != torch.strided:
             return
-        with torch.no_grad():
-            view.copy_(g)
-        p.grad = view
+        if g.shape != view.shape or g.dtype != view.dtype or g.device != view.device:
+            return  # the model changed after wrapping: reduce refuses it on every rank
+        try:
+            with torch.no_grad():
+                view.copy_(g)
+            p.grad = view
+        except Exception:  # noqa: BLE001 - never inside backward(): reduce checks what .grad holds
+            return
 
     return hook
 

@@ -93,10 +93,10 @@ class Overlap:
             )
         return None
 
-    def reduce(self, session: core.DataParallel, grads: dict[str, Any], weight: Any, policy: Any) -> int:
+    def reduce(self, session: core.DataParallel, grads: dict[str, Any], weight: Any, policy: Any, step: Any = None) -> int:
         """Agree, finish the buckets, write ``sum / global_weight`` into ``.grad`` (collective)."""
         try:
-            agreed = session.reduce_buckets(grads, weight, policy, self.problem(), self.fill)
+            agreed = session.reduce_buckets(grads, weight, policy, self.problem(), self.fill, step=step)
         finally:
             self.running, self.error = False, None
         w = np.float32(agreed.global_weight)

@@ -7,10 +7,11 @@ and exits the process, so under ``mpiexec`` the job ends instead of hanging.
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import importlib.util
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -87,6 +88,17 @@ def same_error_everywhere(comm: MPI.Comm, fn: Callable[[], Any], kind: type, *fr
     for fragment in fragments:
         assert fragment in mine[1], (fragment, mine[1])
     return mine[1]
+
+
+@contextlib.contextmanager
+def first_ranks(comm: MPI.Comm, n: int) -> Iterator[MPI.Comm | None]:
+    """A communicator of ``comm``'s first ``n`` ranks (collective on ``comm``); None on the other ranks."""
+    sub = comm.Split(0 if comm.rank < n else MPI.UNDEFINED, comm.rank)
+    try:
+        yield None if sub == MPI.COMM_NULL else sub
+    finally:
+        if sub != MPI.COMM_NULL:
+            sub.Free()
 
 
 def clean_env(**extra: str) -> dict[str, str]:

@@ -73,3 +73,36 @@ def test_new_arrays_of_the_same_kind() -> None:
     f = arrays.flat_zeros(np.ones(1, BFLOAT16), 5)
     assert f.dtype == BFLOAT16 and f.shape == (5,)
     assert arrays.xp(np.zeros(1)) is np
+
+
+@pytest.mark.parametrize(
+    ("shape", "strides", "itemsize", "overlaps"),
+    [
+        ((4,), (0,), 4, True),  # np.broadcast_to, torch's expand
+        ((4, 3), (4, 0), 4, True),
+        ((4, 3), (12, 4), 4, False),  # C order
+        ((4, 3), (4, 16), 4, False),  # F order
+        ((3, 2), (8, 12), 4, False),  # interleaved in itself: proven element by element
+        ((3, 2), (8, 10), 4, True),  # elements 8 + 0 and 0 + 10 ... overlap by two bytes
+        ((2, 2), (4, 4), 4, True),  # as_strided: (0, 1) and (1, 0) are one element
+        ((5,), (-4,), 4, False),
+        ((0, 3), (0, 0), 4, False),  # empty
+        ((1, 3), (0, 4), 4, False),  # a dimension of 1 never repeats an element
+        ((2000, 2000), (4, 4), 4, True),  # too many to enumerate: counted as overlapping
+    ],
+)
+def test_internal_overlap(shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int, overlaps: bool) -> None:
+    assert arrays.internal_overlap(shape, strides, itemsize) is overlaps
+
+
+@pytest.mark.filterwarnings("ignore:the matrix subclass:PendingDeprecationWarning")
+def test_views_of_subclasses_are_plain_arrays_and_self_overlap_is_a_problem() -> None:
+    m = np.asmatrix(np.zeros((2, 3), np.float32))
+    v = arrays.view(m)
+    assert type(v) is np.ndarray and v.reshape(-1).shape == (6,) and np.shares_memory(v, m)
+    assert arrays.problem(m) is None
+    assert "masked array" in str(arrays.problem(np.ma.zeros(3, np.float32)))
+    tiled = np.lib.stride_tricks.as_strided(np.zeros(4, np.float32), shape=(4, 4), strides=(4, 0))
+    assert "its elements overlap in memory (shape (4, 4), strides (4, 0)" in str(arrays.problem(tiled))
+    assert "strides (0,)" in str(arrays.problem(torch.zeros(1, dtype=torch.float16).expand(4)))
+    assert arrays.problem(torch.zeros(4, 6)[:, ::2].t()) is None

@@ -63,3 +63,38 @@ def test_duplicate_refuses_what_is_not_a_communicator() -> None:
 def test_world_reports_this_process() -> None:
     w = world()
     assert (w.rank, w.size) == (MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()) and w.library
+
+
+
+def test_the_dup_and_the_free_are_watched(either: MPI.Comm) -> None:
+    """A watchdog armed by ``arm`` sees the Dup (the session's first collective) and the Free, like every collective."""
+    seen: list[tuple[str, object]] = []
+    made: list[Communicator] = []
+
+    class Watched:  # the user's communicator, telling what the Communicator says it is in
+        def __getattr__(self, name: str) -> object:
+            return getattr(either, name)
+
+        def Dup(self) -> MPI.Comm:
+            seen.append(("Dup", made[0].operation))
+            return either.Dup()
+
+    def arm(c: Communicator) -> None:
+        made.append(c)
+        seen.append(("armed", c.comm == MPI.COMM_NULL))  # before the Dup
+
+    c = Communicator(Watched(), arm)  # type: ignore[arg-type]
+    real = c.comm
+
+    class Freed:
+        def __ne__(self, other: object) -> bool:
+            return bool(real != other)
+
+        def Free(self) -> None:
+            seen.append(("Free", c.operation))
+            real.Free()
+
+    c.comm = Freed()  # type: ignore[assignment]
+    c.close()
+    assert seen == [("armed", True), ("Dup", "initialize: MPI_Comm_dup"), ("Free", "close: MPI_Comm_free")]
+    assert c.operation is None

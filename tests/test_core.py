@@ -131,6 +131,25 @@ def test_a_timeout_beyond_any_float_means_no_limit(comm: MPI.Comm) -> None:
         dp.verify_replicas()
 
 
+#: MPIDP_TIMEOUT that turns the watchdog off (a name: the docs check reads literal defaults)
+OFF = "0"
+
+
+def test_a_session_is_watched_by_default(comm: MPI.Comm, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without timeout= or MPIDP_TIMEOUT the watchdog runs with 1800 s; 0 turns it off."""
+    monkeypatch.delenv("MPIDP_TIMEOUT", raising=False)
+    with mpidp.DataParallel.initialize(model(0), comm) as dp:
+        assert dp._watchdog is not None and dp._watchdog.timeout == 1800 and dp._watchdog._thread.is_alive()
+        watchdog = dp._watchdog
+    watchdog._thread.join(timeout=10)
+    assert not watchdog._thread.is_alive()  # close() stops it
+    with mpidp.DataParallel.initialize(model(0), comm, timeout=0) as dp:
+        assert dp._watchdog is None
+    monkeypatch.setenv("MPIDP_TIMEOUT", OFF)
+    with mpidp.DataParallel.initialize(model(0), comm) as dp:
+        assert dp._watchdog is None
+
+
 @pytest.mark.parametrize("value", ["-5", "nan"])
 def test_bad_timeout_in_the_environment_is_refused_everywhere(
     comm: MPI.Comm, where: tuple[bool, int], value: str, monkeypatch: pytest.MonkeyPatch

@@ -31,7 +31,8 @@ def job(mode: str, *, timeout: float = 60, **env: str) -> tuple[int, str, float]
         env=clean_env(**env),
     )
     end = time.time()
-    fault = [float(line.rsplit(" at ", 1)[1]) for line in p.stdout.splitlines() if " at " in line and line.startswith("rank ")]
+    # mpiexec may join two ranks' lines ("... at 1796397172.629rank 1: done"): take the time itself
+    fault = [float(t) for t in re.findall(r"rank \d+: [^\n]*? at (\d+\.\d{3})", p.stdout)]
     return p.returncode, p.stdout, end - (fault[0] if fault else start)
 
 
@@ -63,6 +64,24 @@ def test_watchdog_aborts_a_rank_that_skipped_a_reduce() -> None:
         assert re.search(rf"mpidp watchdog: rank {rank} has waited [\d.]+ s in reduce \(window 6\): exchange", out), out
     assert "Thread" in out and "train.py" in out  # the stacks
     assert after <= 3 + 5, f"the job took {after:.1f} s to end after the skip"
+
+
+def test_watchdog_aborts_a_rank_left_alone_in_a_reduce_after_the_others_closed() -> None:
+    """Reduce twice, then close: the rank with the extra call is watched until the job ends (no silent hang)."""
+    code, out, after = job("extra", MPIDP_TIMEOUT="3")
+    assert code != 0, out
+    assert re.search(r"mpidp watchdog: rank 3 has waited [\d.]+ s in reduce \(window 21\): exchange", out), out
+    assert after <= 3 + 5, f"the job took {after:.1f} s to end after the extra reduce"
+
+
+@pytest.mark.parametrize("mode", ["late", "raise-early"])
+def test_watchdog_is_armed_while_initialize_waits(mode: str) -> None:
+    """The session's first collective (the Dup of the user's communicator) is watched too."""
+    code, out, after = job(mode, MPIDP_TIMEOUT="3")
+    assert code != 0, out
+    for rank in (0, 1, 2):
+        assert re.search(rf"mpidp watchdog: rank {rank} has waited [\d.]+ s in initialize: MPI_Comm_dup", out), out
+    assert after <= 3 + 5, f"the job took {after:.1f} s to end after rank 3's {mode}"
 
 
 def test_watchdog_aborts_a_rank_that_skipped_broadcast_buffers() -> None:

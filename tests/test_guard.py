@@ -24,7 +24,7 @@ def aborts(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return seen
 
 
-@pytest.mark.parametrize(("value", "seconds"), [(None, None), (0, None), (2, 2.0), (0.5, 0.5), (10**400, float("inf"))])
+@pytest.mark.parametrize(("value", "seconds"), [(None, 1800.0), (0, None), (2, 2.0), (0.5, 0.5), (10**400, float("inf"))])
 def test_resolve_timeout(value: Any, seconds: float | None, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("MPIDP_TIMEOUT", raising=False)
     assert guard.resolve_timeout(value) == seconds
@@ -36,10 +36,24 @@ def test_resolve_timeout_names_a_bad_value(value: Any) -> None:
         guard.resolve_timeout(value)
 
 
-@pytest.mark.parametrize(("raw", "seconds"), [("", None), (" 0 ", None), ("2.5", 2.5)])
+@pytest.mark.parametrize(("raw", "seconds"), [("", 1800.0), (" ", 1800.0), (" 0 ", None), ("0.0", None), ("2.5", 2.5)])
 def test_timeout_from_env(raw: str, seconds: float | None, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MPIDP_TIMEOUT", raw)
     assert guard.timeout_from_env() == seconds
+
+
+#: MPIDP_TIMEOUT that turns the watchdog off (a name: the docs check reads literal defaults)
+OFF = "0"
+
+
+def test_the_watchdog_is_on_by_default_for_30_minutes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No hang is silent by default: unset, the limit is torch.distributed's default collective timeout."""
+    monkeypatch.delenv("MPIDP_TIMEOUT", raising=False)
+    assert guard.timeout_from_env() == guard.DEFAULT_TIMEOUT == 1800
+    assert guard.resolve_timeout(None) == 1800
+    monkeypatch.setenv("MPIDP_TIMEOUT", OFF)
+    assert guard.resolve_timeout(None) is None
+    assert guard.resolve_timeout(0) is None
 
 
 @pytest.mark.parametrize("raw", ["-1", "nan", "soon"])

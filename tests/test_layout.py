@@ -10,6 +10,8 @@ from replicas import BF16, model
 import mpidp
 from mpidp import arrays, layout
 
+BYTE_BOUNDS = getattr(np, "byte_bounds", None) or np.lib.array_utils.byte_bounds
+
 
 def test_flat_parameters_copies_into_one_buffer_per_dtype() -> None:
     params = model(3)
@@ -36,12 +38,12 @@ def test_flat_parameters_refuses_non_arrays() -> None:
 
 
 def test_strided_bounds_match_numpy_byte_bounds() -> None:
-    # the overlap check's bounds for device (CuPy) gradients, checked against NumPy's on host views
+    # the overlap check's bounds, checked against NumPy's
     base = np.zeros((6, 10, 4), dtype=np.float32)
     views = [base, base[1:4, ::3], base[::-1], base[:, ::-2, 1:3], base.transpose(2, 0, 1), base[5:6, 9:, 3:], base.reshape(-1)[7:8]]
     for v in views:
         address = v.__array_interface__["data"][0]
-        assert layout.strided_bounds(address, v.shape, v.strides, v.itemsize) == tuple(layout.byte_bounds(v)), v.strides
+        assert layout.strided_bounds(address, v.shape, v.strides, v.itemsize) == tuple(BYTE_BOUNDS(v)), v.strides
 
 
 def test_runs_join_adjacent_arrays_whatever_order_they_lie_in() -> None:
@@ -62,7 +64,7 @@ def test_overlap_names_the_first_two_gradients_that_share_memory() -> None:
     base = np.zeros(20, np.float32)
     assert layout.overlap([base[:10], base[10:], np.zeros(0, np.float32)], ["a", "b", "empty"]) is None
     assert layout.overlap([base[:10], base[5:15]], ["a", "b"]) == "gradients 'a' and 'b' share memory (each needs its own)"
-    assert layout.overlap([base[::2], base[1::2]], ["even", "odd"]) is not None  # interleaved: the ranges overlap
+    assert layout.overlap([base[::2], base[1::2]], ["even", "odd"]) is None  # interleaved: the ranges overlap, no element does
 
 
 def test_flat_gradients_follow_the_reduce_plan_and_are_recognised_unchanged() -> None:
@@ -93,3 +95,15 @@ def test_flat_parameters_keeps_values_and_ties_per_dtype(dtype: str) -> None:
     flat = mpidp.flat_parameters({"w": w, "tied": w, "b": np.ones(2, dt)})
     assert flat["w"] is flat["tied"] and flat["w"].dtype == dt
     assert flat["w"].tobytes() == w.tobytes()
+
+
+def test_overlap_accepts_interleaved_views_and_names_shared_memory() -> None:
+    buf = np.zeros((8, 6), np.float32)
+    apart = {"even": buf.reshape(-1)[0::2], "odd": buf.reshape(-1)[1::2], "col": buf[:, 2::2].T}
+    assert layout.overlap([apart["even"], apart["odd"]], ["even", "odd"]) is None  # interleaved, no element shared
+    assert layout.overlap([buf[:, 0::3], buf[:, 1::3], buf[:, 2::3]], ["a", "b", "c"]) is None
+    assert layout.overlap([apart["even"], apart["col"]], ["even", "col"]) == "gradients 'even' and 'col' share memory (each needs its own)"
+    assert layout.overlap([buf[1:3], buf[:2], np.zeros(3, np.float32)], ["x", "y", "z"]) == "gradients 'y' and 'x' share memory (each needs its own)"
+    # a range that starts inside an earlier long one, past a neighbour that shares nothing, is still compared
+    assert layout.overlap([buf.reshape(-1)[0::2], buf.reshape(-1)[1:4:2], buf.reshape(-1)[10:12]], ["a", "b", "c"]) is not None
+

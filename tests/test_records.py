@@ -115,7 +115,7 @@ def window_frames(rows: list[dict[str, Any]], slots: int = 70) -> list[np.ndarra
         f = frame.new(row.get("kind", WINDOW))
         presence = np.zeros((slots + 63) // 64, np.uint64)
         presence[0] = row.get("presence", 0)
-        Window.fill(f, row.get("window", 1), row.get("policy", 0), row.get("weight", 1), presence)
+        Window.fill(f, row.get("step", 0), row.get("policy", 0), row.get("weight", 1), presence)
         f[ERROR] = row.get("error") is not None
         out.append(f)
     return out
@@ -157,9 +157,11 @@ def test_window_facts_are_the_exact_weight_and_the_weighted_presence() -> None:
         ([{}, {"kind": VERIFY}], "ranks are in different mpidp operations: rank 0 in reduce, rank 1 in verify_replicas"),
         ([{}, {"kind": REGIONS}, {"error": "x"}], "rank 1 in broadcast_buffers"),
         ([{}, {"error": "no gradient"}, {"error": "later"}], "rank 1: no gradient"),
-        ([{}, {"window": 2}], "ranks are in different windows: rank 0 in window 1, rank 1 in window 2 (a rank skipped or added a reduce)"),
+        ([{"step": 3}, {"step": 3}, {"step": 4}], "rank 2 is at step 3, rank 0 at step 2: a rank skipped or repeated a reduce"),
+        ([{"step": 3}, {}], "rank 1 passed no step, rank 0 step 2: pass step= to reduce on every rank or on none"),
+        ([{}, {"step": 1}], "rank 1 passed step 0, rank 0 no step: pass step= to reduce on every rank or on none"),
         ([{}, {}, {"policy": 1}], "ranks disagree on the missing-gradient policy: rank 0 uses ERROR, rank 2 uses ZERO"),
-        ([{"window": 3, "policy": 1}, {"error": "first"}, {"window": 2}], "rank 1: first"),  # errors before windows
+        ([{"step": 3, "policy": 1}, {"error": "first"}, {"step": 2}], "rank 1: first"),  # errors before steps
     ],
 )
 def test_agree_raises_the_same_error_on_every_rank(rows: list[dict[str, Any]], message: str) -> None:

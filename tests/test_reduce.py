@@ -6,6 +6,7 @@ four ranks under mpiexec) and assert on every rank.
 
 from __future__ import annotations
 
+import importlib.util
 import tracemalloc
 from functools import partial
 from typing import Any
@@ -275,14 +276,65 @@ def test_reduce_refuses_ranks_disagreeing_on_policy(comm: MPI.Comm, dp: Any) -> 
 
 
 @pytest.mark.mpi(min_size=2)
-def test_reduce_refuses_ranks_in_different_windows(comm: MPI.Comm, dp: Any) -> None:
+def test_a_step_catches_a_rank_that_skipped_a_reduce(comm: MPI.Comm, dp: Any) -> None:
+    """The issue's case: rank 1 skips step 2; with step= every rank raises at that exchange, nothing moved."""
     grads = grads_for(dp.params, np.random.default_rng(0))
-    if comm.rank == comm.size - 1:
-        dp._window += 1  # as if this rank had run one reduce more than the others
+    reached: list[int] = []
+
+    def train() -> None:
+        for step in range(6):
+            if comm.rank == 1 and step == 2:
+                continue
+            before = snapshot(grads)
+            reached.append(step)
+            try:
+                dp.reduce(grads, 100 + comm.rank, step=step)
+            except ContractError:
+                assert snapshot(grads) == before
+                raise
+
+    same_error_everywhere(comm, train, ContractError, "rank 1 is at step 3, rank 0 at step 2: a rank skipped or repeated a reduce")
+    assert reached == ([0, 1, 3] if comm.rank == 1 else [0, 1, 2])
+    dp.reduce(grads, 1, step=7)  # the session goes on once the ranks are in step again
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_step_catches_a_rank_that_repeated_a_reduce(comm: MPI.Comm, dp: Any) -> None:
+    grads = grads_for(dp.params, np.random.default_rng(0))
+    dp.reduce(grads, 1, step=0)
+    last = comm.size - 1
     same_error_everywhere(
-        comm, lambda: dp.reduce(grads, 1), ContractError,
-        f"ranks are in different windows: rank 0 in window 1, rank {comm.size - 1} in window 2",
+        comm, lambda: dp.reduce(grads, 1, step=0 if comm.rank == last else 1), ContractError,
+        f"rank {last} is at step 0, rank 0 at step 1: a rank skipped or repeated a reduce",
     )
+
+
+@pytest.mark.mpi(min_size=2)
+def test_reduce_refuses_a_step_on_some_ranks_only(comm: MPI.Comm, dp: Any) -> None:
+    grads = grads_for(dp.params, np.random.default_rng(0))
+    last = comm.size - 1
+    same_error_everywhere(
+        comm, lambda: dp.reduce(grads, 1, step=None if comm.rank == last else 4), ContractError,
+        f"rank {last} passed no step, rank 0 step 4: pass step= to reduce on every rank or on none",
+    )
+    same_error_everywhere(
+        comm, lambda: dp.reduce(grads, 1, step=5 if comm.rank == last else None), ContractError,
+        f"rank {last} passed step 5, rank 0 no step",
+    )
+    dp.reduce(grads, 1)  # None on every rank: nothing to compare
+
+
+@pytest.mark.parametrize("step", [True, -1, 2.0, "3", 2**64 - 1])
+def test_reduce_refuses_a_bad_step_everywhere(comm: MPI.Comm, dp: Any, where: tuple[bool, int], step: Any) -> None:
+    mine, bad = where
+    grads = grads_for(dp.params, np.random.default_rng(0))
+    message = same_error_everywhere(comm, lambda: dp.reduce(grads, 1, step=step if mine else 0), ContractError, f"rank {bad}: step")
+    assert repr(step) in message or str(step) in message
+
+
+def test_reduce_takes_numpy_integer_steps(comm: MPI.Comm, dp: Any) -> None:
+    grads = grads_for(dp.params, np.random.default_rng(0))
+    dp.reduce(grads, 1, step=np.int64(9) if comm.rank % 2 else 9)
 
 
 @pytest.mark.mpi(min_size=2)
@@ -511,3 +563,86 @@ def test_gradient_buffers_restrided_in_place_reduce_correctly(comm: MPI.Comm, dp
     for name in TRAINABLE:
         assert_close(out.gradients[name], expected[name], str(dp.params[name].dtype))
     assert_same_on_every_rank(comm, out.gradients)
+
+
+# ------------------------------------------ array properties ranks need not share
+
+
+def _unaligned(a: np.ndarray) -> np.ndarray:
+    """A copy of ``a`` one byte off any alignment (what a view into a byte buffer can be)."""
+    u = np.empty(a.nbytes + 1, np.uint8)[1:].view(a.dtype).reshape(a.shape)
+    u[...] = a
+    assert not u.flags.aligned
+    return u
+
+
+def _interleaved(g: dict[str, Any]) -> dict[str, Any]:
+    """'big' and 'bias' interleaved in one buffer (no element shared), 'embed' in Fortran order, 'half' reversed."""
+    buf = np.zeros(2 * g["big"].size, np.float32)
+    big, bias = buf[0::2], buf[1:14:2]
+    big[...], bias[...] = g["big"], g["bias"]
+    half = np.zeros_like(g["half"])[::-1, ::-1]
+    half[...] = g["half"]
+    return {**g, "big": big, "bias": bias, "embed": np.asfortranarray(g["embed"]), "half": half}
+
+
+ODD_ARRAYS = {
+    "unaligned": lambda g: {k: _unaligned(v) for k, v in g.items()},  # the large one goes through the stage
+    "matrix": lambda g: {k: np.asmatrix(v) if v.ndim == 2 else v for k, v in g.items()},
+    "interleaved and strided": _interleaved,
+}
+
+
+@pytest.mark.filterwarnings("ignore:the matrix subclass:PendingDeprecationWarning")
+@pytest.mark.parametrize("chunk_bytes", [4096, 4 << 20])
+@pytest.mark.parametrize("case", sorted(ODD_ARRAYS))
+def test_gradients_of_any_layout_give_the_bits_of_plain_ones(
+    comm: MPI.Comm, where: tuple[bool, int], case: str, chunk_bytes: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Unaligned, np.matrix, interleaved and strided gradients, on one rank or all: the same bits as plain arrays.
+
+    The small chunks cast 16-bit segments with torch where it is installed, the large ones with NumPy.
+    """
+    mine, _ = where
+    if chunk_bytes == 4096 and importlib.util.find_spec("torch") is not None:
+        import torch  # noqa: F401 - packing casts long 16-bit segments with torch once it is imported
+    else:
+        monkeypatch.setattr(mpidp.packing, "TORCH_CASTS", False)
+    wide = {"wide": np.zeros((64, 100), np.float32), "wide16": np.zeros((64, 100), np.float16), "wideb": np.zeros((64, 100), BF16)}
+    params = {**model(100 + comm.rank), **wide}  # 2-D, several calls of their own at 4 KiB, long 16-bit segments
+    with mpidp.DataParallel.initialize(params, comm, frozen=["frozen"], chunk_bytes=chunk_bytes) as dp:
+        values = grads_for(params, np.random.default_rng(comm.rank), (*TRAINABLE, *wide))
+        plain = {k: v.copy() for k, v in values.items()}
+        expected = snapshot(dp.reduce(plain, 3 + comm.rank).gradients)
+        odd = ODD_ARRAYS[case]({k: v.copy() for k, v in values.items()}) if mine else {k: v.copy() for k, v in values.items()}
+        for _ in range(3):  # the second window on the same arrays keeps its cut views: the third reuses them
+            for k, v in odd.items():
+                v[...] = values[k]
+            out = dp.reduce(odd, 3 + comm.rank).gradients
+            assert all(out[k] is odd[k] for k in odd)  # written in place
+            assert snapshot({k: np.asarray(v) for k, v in out.items()}) == expected
+        assert_same_on_every_rank(comm, {k: np.asarray(v) for k, v in out.items()})
+
+
+def _self_overlapping(g: dict[str, Any]) -> None:
+    g["bias"] = np.lib.stride_tricks.as_strided(np.zeros(1, np.float32), shape=(7,), strides=(0,))
+
+
+REFUSED_ARRAYS = {
+    "self-overlapping": (_self_overlapping, "gradient 'bias': its elements overlap in memory (shape (7,), strides (0,)"),
+    "masked": (lambda g: g.update(bias=np.ma.masked_array(g["bias"])), "gradient 'bias': it is a masked array"),
+    "byte-swapped": (lambda g: g.update(big=g["big"].astype(">f4")), "gradient 'big': dtype >f4 differs from its parameter's float32"),
+    "read-only": (_freeze_big, "gradient 'big': it is read-only"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REFUSED_ARRAYS))
+def test_gradients_mpidp_cannot_take_are_one_error_everywhere(comm: MPI.Comm, dp: Any, where: tuple[bool, int], case: str) -> None:
+    mine, bad = where
+    grads = grads_for(dp.params, np.random.default_rng(comm.rank))
+    spoil, fragment = REFUSED_ARRAYS[case]
+    if mine:
+        spoil(grads)
+    before = snapshot({k: np.asarray(v) for k, v in grads.items()})
+    same_error_everywhere(comm, lambda: dp.reduce(grads, 1), ContractError, f"rank {bad}: {fragment}")
+    assert snapshot({k: np.asarray(v) for k, v in grads.items()}) == before

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import clean_env, same_error_everywhere, snapshot
+from conftest import clean_env, first_ranks, same_error_everywhere, snapshot
 from mpi4py import MPI
 
 torch = pytest.importorskip("torch")
@@ -185,6 +185,55 @@ def test_uneven_shards_equal_one_process_over_the_whole_batch(comm: MPI.Comm, ki
     assert_close(state(model), state(reference))
     assert snapshot(dict(model.proj.state_dict())) == frozen_before
     assert snapshot(dict(model.unused.state_dict())) == snapshot(dict(reference.unused.state_dict()))
+
+
+def join_shards(size: int) -> list[list[list[Seq]]]:
+    """Per rank, its batches of 1-3 sequences: 3, 0, 5 and 2 of them (the second rank has no data at all)."""
+    counts = [3, 0, 5, 2][:size] if size > 1 else [4]
+    rng = np.random.default_rng(17)
+    return [[[sequence(rng, int(rng.integers(3, 12))) for _ in range(int(rng.integers(1, 4)))] for _ in range(n)] for n in counts]
+
+
+def train_with_join(comm: MPI.Comm) -> None:
+    """AdamW over uneven shards with dp.join: replicas bitwise equal, and equal to one process over the same batches."""
+    size, rank = comm.size, comm.rank
+    shards = join_shards(size)
+    model = TinyLM(100 + rank, extras=False)
+    opt = optimizer("adamw", model)
+    steps = 0
+    with mpidp.torch.DataParallel(model, comm) as dp:
+        for step, batch in enumerate(dp.join(shards[rank])):
+            tokens = 0
+            if batch is not None:
+                x, y = pad(batch)
+                loss_sum(model, x, y).backward()
+                tokens = int((y != IGNORE).sum())
+            dp.reduce(local_weight=tokens, step=step)  # weight 0 and no .grad where batch is None
+            opt.step()
+            dp.zero_grad()
+            steps += 1
+        dp.verify_replicas()
+    assert steps == max(len(s) for s in shards)
+    bitwise_equal_everywhere(comm, model)
+    reference = TinyLM(100, extras=False)
+    ref_opt = optimizer("adamw", reference)
+    for step in range(steps):
+        x, y = pad([seq for shard in shards if step < len(shard) for seq in shard[step]])
+        F.cross_entropy(reference(x).flatten(0, 1), y.flatten(), ignore_index=IGNORE).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    assert_close(state(model), state(reference))
+
+
+def test_join_trains_uneven_shards_as_one_process(comm: MPI.Comm) -> None:
+    train_with_join(comm)
+
+
+@pytest.mark.mpi(min_size=4)
+def test_join_trains_uneven_shards_at_three_ranks(comm: MPI.Comm) -> None:
+    with first_ranks(comm, 3) as three:
+        if three is not None:
+            train_with_join(three)
 
 
 def test_equal_shards_match_distributed_data_parallel(comm: MPI.Comm) -> None:
@@ -498,6 +547,59 @@ def test_reduce_refuses_a_parameter_unused_everywhere_under_error(comm: MPI.Comm
         assert model.unused.weight.grad is None and model.embed.weight.grad is not None
 
 
+def _resize_embedding(model: nn.Module) -> None:
+    """What Hugging Face's ``resize_token_embeddings`` does: new rows, the same Parameter, ``.data`` swapped."""
+    w = model.embed.weight
+    w.data = torch.cat([w.data, torch.zeros(3, D)])
+
+
+MODEL_CHANGES: dict[str, tuple[Callable[[nn.Module], Any], str]] = {
+    "cast": (lambda m: m.to(torch.bfloat16), "(dtype bfloat16 was float32)"),
+    "resize": (_resize_embedding, f"parameter 'embed.weight' changed after initialize (shape ({V + 3}, {D}) was ({V}, {D}))"),
+}
+
+
+@pytest.mark.parametrize("flat", [False, True], ids=["", "flat_parameters"])
+@pytest.mark.parametrize("case", sorted(MODEL_CHANGES))
+def test_a_model_changed_after_wrapping_is_refused_by_reduce_not_backward(
+    comm: MPI.Comm, where: tuple[bool, int], case: str, flat: bool
+) -> None:
+    """The gradient hook never raises inside backward(); reduce names the parameter on every rank."""
+    mine, bad = where
+    change, message = MODEL_CHANGES[case]
+    model = TinyLM(100, extras=False)
+    with mpidp.torch.DataParallel(model, comm, flat_parameters=flat) as dp:
+        window(comm, model)
+        dp.reduce(local_weight=1)  # the gradients live in mpidp's flat storage now
+        model.zero_grad()  # set_to_none, as optimizer.zero_grad() does (a stale .grad of the old shape: torch's own error)
+        if mine:
+            change(model)
+        weight = window(comm, model)  # backward() runs, whatever the model became
+        before = snapshot(dict(model.state_dict())), grads(model)
+        same_error_everywhere(
+            comm, lambda: dp.reduce(local_weight=weight), ContractError, f"rank {bad}: parameter ", message,
+            "; build a new DataParallel after changing the model",
+        )
+        assert (snapshot(dict(model.state_dict())), grads(model)) == before
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("overlap", [False, True])
+def test_reduce_passes_the_step_to_the_exchange(comm: MPI.Comm, overlap: bool) -> None:
+    """The optimizer's step count (an int or an integer tensor) catches a rank that skipped a reduce."""
+    model = TinyLM(100, extras=False)
+    with mpidp.torch.DataParallel(model, comm, overlap=overlap, bucket_bytes=256 if overlap else None) as dp:
+        weight = window(comm, model)
+        dp.reduce(local_weight=weight, step=torch.tensor(0) if comm.rank % 2 else 0)
+        last = comm.size - 1
+        before = grads(model)
+        same_error_everywhere(
+            comm, lambda: dp.reduce(local_weight=weight, step=2 if comm.rank == last else 1), ContractError,
+            f"rank {last} is at step 2, rank 0 at step 1: a rank skipped or repeated a reduce",
+        )
+        assert grads(model) == before
+
+
 def test_reduce_refuses_a_zero_global_weight(comm: MPI.Comm) -> None:
     model = TinyLM(100, extras=False)
     with mpidp.torch.DataParallel(model, comm) as dp:
@@ -587,14 +689,14 @@ def test_a_buffer_one_rank_cannot_write_in_place_is_refused_on_every_rank(comm: 
     model.register_buffer("z", torch.full((1,), 7.0).expand(4) if comm.rank == last else torch.full((4,), 7.0))
     same_error_everywhere(
         comm, lambda: mpidp.torch.DataParallel(model, comm), ContractError,
-        f"rank {last}: buffer 'z' cannot be written in place: RuntimeError",
+        f"rank {last}: buffer 'z': its elements overlap in memory (shape (4,), strides (0,)",
     )
     model.z = torch.full((4,), float(comm.rank))
     with mpidp.torch.DataParallel(model, comm) as dp:
         if comm.rank == last:
             model.z = torch.full((1,), float(comm.rank)).expand(4)
         before = {n: b.clone() for n, b in model.named_buffers()}
-        same_error_everywhere(comm, dp.broadcast_buffers, ContractError, f"rank {last}: buffer 'z' cannot be written in place")
+        same_error_everywhere(comm, dp.broadcast_buffers, ContractError, f"rank {last}: buffer 'z': its elements overlap in memory")
         assert all(torch.equal(b, before[n]) for n, b in model.named_buffers())  # nothing modified, on any rank
 
 

@@ -14,6 +14,12 @@
   backward (its buckets start summing) and close; rank 3 runs none and waits in
   the user's own barrier; the others wait for their buckets until the watchdog
   aborts.
+- ``extra``: rank 3 runs one reduce more than the others, which close the
+  session and exit; it waits in that reduce until the watchdog aborts.
+- ``late``: rank 3 comes to ``initialize`` 30 s after the others, which wait
+  in its first collective (the communicator's Dup) until the watchdog aborts.
+- ``raise-early``: rank 3 raises before ``initialize`` (no abort hook yet:
+  plain python), the others wait in the Dup until the watchdog aborts.
 """
 
 import os
@@ -30,6 +36,11 @@ mode = sys.argv[1]
 windows = int(sys.argv[2]) if len(sys.argv) > 2 else 20
 comm = MPI.COMM_WORLD
 rank = comm.rank
+if mode in ("late", "raise-early") and rank == 3:
+    print(f"rank {rank}: {mode} at {time.time():.3f}", flush=True)
+    if mode == "raise-early":
+        raise RuntimeError("boom before initialize")
+    time.sleep(30)
 if mode == "skip-buffers":
     import torch
 
@@ -73,5 +84,8 @@ for window in range(windows):
     out = dp.reduce(grads, 1)
     params["w"] -= 0.1 * out.gradients["w"]
 dp.verify_replicas()
+if mode == "extra" and rank == 3:
+    print(f"rank {rank}: one reduce too many at {time.time():.3f}", flush=True)
+    dp.reduce(grads, 1)
 dp.close()
 print(f"rank {rank}: done", flush=True)

@@ -185,6 +185,39 @@ def _bf16_to_f32(src: np.ndarray, dst: np.ndarray) -> None:
         np.left_shift(d, 16, out=d)
 
 
+#: Elements per sub-block of the float16 upcast (measured best of 2**12 to 2**16 on the development machine).
+_BLOCK16 = 1 << 14
+#: float16 magnitude bits moved to float32's place, from exponent 31 (infinity, NaN) up
+_F16_SPECIAL = np.uint32(0x1F << 23)
+
+
+def _f16_to_f32(src: np.ndarray, dst: np.ndarray) -> None:
+    """Upcast float16 ``src`` into float32 ``dst`` exactly, bitwise as NumPy casts it (NaN payloads too).
+
+    The magnitude bits moved into float32's place are a float32 of the same
+    mantissa with the exponent 112 lower (a float16 subnormal a float32 one),
+    so one multiplication by 2**112 (exact) rebiases every finite value;
+    infinity and NaN get float32's all-ones exponent instead; then the sign.
+    About twice as fast as NumPy's scalar cast loop.
+    """
+    s16, d32 = src.view(np.uint16), dst.view(np.uint32)
+    sign = np.empty(min(_BLOCK16, s16.size), np.uint32)
+    for lo in range(0, s16.size, _BLOCK16):
+        d = d32[lo : lo + _BLOCK16]
+        t = sign[: d.size]
+        np.copyto(d, s16[lo : lo + _BLOCK16])
+        np.left_shift(d, 16, out=d)
+        np.bitwise_and(d, np.uint32(0x80000000), out=t)
+        np.bitwise_and(d, np.uint32(0x7FFF0000), out=d)
+        np.right_shift(d, 3, out=d)
+        special = d >= _F16_SPECIAL if d.max() >= _F16_SPECIAL else None
+        f = d.view(np.float32)
+        np.multiply(f, np.float32(2.0**112), out=f)
+        if special is not None:
+            np.bitwise_or(d, np.uint32(0x7F800000), out=d, where=special)
+        np.bitwise_or(d, t, out=d)
+
+
 def _f32_to_bf16(src: np.ndarray, dst: np.ndarray, scratch: np.ndarray) -> None:
     """Round float32 ``src`` to nearest even bfloat16 into ``dst``, bitwise as ml_dtypes casts it.
 
@@ -243,6 +276,8 @@ def _pack(dst: np.ndarray, src: np.ndarray) -> None:
             return
     if src.dtype == arrays.BFLOAT16 and src.size >= _FAST_BF16:
         _bf16_to_f32(src, dst)
+    elif src.dtype == np.float16 and src.size >= _FAST_BF16:
+        _f16_to_f32(src, dst)
     else:
         dst[...] = src
 

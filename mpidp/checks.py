@@ -99,7 +99,7 @@ def reduction_mode() -> tuple[str, str | None]:
     The value is part of the initialize record: ranks that read different
     values get the same ContractError, never different collectives.
     """
-    raw = os.environ.get("MPIDP_REDUCTION", "")
+    raw = os.environ.get("MPIDP_REDUCTION", "auto")
     mode = raw.strip().lower() or "auto"
     if mode in packing.REDUCTIONS:
         return mode, None

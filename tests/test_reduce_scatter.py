@@ -108,7 +108,8 @@ def test_every_mode_is_the_mean_with_the_same_bits_on_every_rank(comm: MPI.Comm,
 def test_ranks_that_read_different_reduction_modes_get_one_error(comm: MPI.Comm, monkeypatch: pytest.MonkeyPatch) -> None:
     if comm.size == 1:
         pytest.skip("needs two ranks")
-    monkeypatch.setenv("MPIDP_REDUCTION", "allreduce" if comm.rank == 1 else "reduce_scatter")
+    mode = "allreduce" if comm.rank == 1 else "reduce_scatter"
+    monkeypatch.setenv("MPIDP_REDUCTION", mode)
     params = params_for(comm.rank)
     before = snapshot(params)
     same_error_everywhere(
@@ -121,7 +122,8 @@ def test_ranks_that_read_different_reduction_modes_get_one_error(comm: MPI.Comm,
 def test_an_unknown_reduction_mode_is_one_error(comm: MPI.Comm, monkeypatch: pytest.MonkeyPatch) -> None:
     bad = comm.size - 1
     if comm.rank == bad:
-        monkeypatch.setenv("MPIDP_REDUCTION", "ring")
+        unknown = "ring"
+        monkeypatch.setenv("MPIDP_REDUCTION", unknown)
     params = params_for(comm.rank)
     before = snapshot(params)
     same_error_everywhere(

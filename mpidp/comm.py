@@ -141,6 +141,40 @@ class Communicator:
         finally:
             self.operation = None
 
+    def Allreduce_into(self, send: np.ndarray, recv: np.ndarray, operation: str = "Allreduce") -> None:
+        """Sum float32 host buffer ``send`` over all ranks into ``recv``."""
+        self._enter(operation)
+        try:
+            self.comm.Allreduce(send, recv, MPI.SUM)
+        except MPI.Exception as e:
+            raise self._fail(operation, e) from e
+        finally:
+            self.operation = None
+
+    def Iallreduce(self, send: np.ndarray, recv: np.ndarray, operation: str = "Iallreduce") -> MPI.Request:
+        """Start summing float32 host buffer ``send`` over all ranks into ``recv``; finish it with :meth:`wait`."""
+        try:
+            return self.comm.Iallreduce(send, recv, MPI.SUM)
+        except MPI.Exception as e:
+            raise self._fail(operation, e) from e
+
+    def done(self, request: MPI.Request, operation: str = "Test") -> bool:
+        """Progress MPI once and say whether ``request`` (of any communicator) is complete; never waits (local)."""
+        try:
+            return bool(request.Test())
+        except MPI.Exception as e:
+            raise self._fail(operation, e) from e
+
+    def wait(self, requests: list[MPI.Request], operation: str) -> None:
+        """Finish ``requests`` (of any communicator), seen by this communicator's watchdog as ``operation``."""
+        self._enter(operation)
+        try:
+            MPI.Request.Waitall(requests)
+        except MPI.Exception as e:
+            raise self._fail(operation, e) from e
+        finally:
+            self.operation = None
+
 
 def duplicate(comm: MPIComm | None) -> Communicator:
     """Duplicate the user's mpi4py communicator (None: ``COMM_WORLD``); collective on it.

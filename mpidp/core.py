@@ -16,13 +16,13 @@ import enum
 import numbers
 import warnings
 import zlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
-from . import arrays, checks, cuda, guard, launch, layout, records
+from . import arrays, checks, cuda, guard, launch, layout, overlap, records
 from . import comm as _mpi
 from .checks import ByteRegions
 from .comm import Communicator, MPIComm
@@ -39,7 +39,7 @@ from .packing import (
 from .records import U64_MAX, Frame, Setup, Window
 from .window import Cache, Given, Slots, Transport, check_gradients, reduce_slots
 
-__all__ = ["ByteRegions", "DataParallel", "MPIComm", "MissingGradientPolicy", "ReducedGradients", "broadcast_regions", "flat_parameters", "start"]
+__all__ = ["Agreed", "ByteRegions", "DataParallel", "MPIComm", "MissingGradientPolicy", "ReducedGradients", "broadcast_regions", "flat_parameters", "start"]
 
 
 class MissingGradientPolicy(enum.Enum):
@@ -59,6 +59,20 @@ class ReducedGradients:
     gradients: dict[str, Any]
     #: Exact sum of the local weights over all ranks.
     global_weight: int
+
+
+class Agreed(NamedTuple):
+    """The facts of a window every rank agreed on (:meth:`DataParallel.agree_window`), and this rank's gradients."""
+
+    given: list[Given | None]  # this rank's gradient per reduction slot (checked), None where it has none
+    weight: int  # this rank's local weight
+    global_weight: int
+    key: tuple[int, ...]  # the presence words OR-ed over the ranks with a weight
+    zero_weight: bool  # some rank has weight 0: its gradients count as zeros
+
+    def present(self, slots: int) -> list[bool]:
+        """Whether each reduction slot is globally present."""
+        return Window.present(self.key, slots)
 
 
 class DataParallel:
@@ -93,6 +107,7 @@ class DataParallel:
         self._window = 0
         self._closed = False
         self._failed: str | None = None  # set by the first CollectiveError: the session is unusable
+        self._buckets: overlap.Buckets | None = None  # reduction buckets filled during backward, once asked for
 
     # ------------------------------------------------------------------ set-up
 
@@ -247,11 +262,32 @@ class DataParallel:
         its input, the gradient arrays are then unspecified, and every later
         call on this session raises CollectiveError too.
         """
+        agreed = self.agree_window(grads, local_weight, policy)
+        given, weight, global_weight, key = agreed.given, agreed.weight, agreed.global_weight, agreed.key
+        operation = f"reduce (window {self._window})"
+        entry = self._cache.plan(key, self._slots.sizes, len(self._transport.stage), self._slots.kinds)
+        try:
+            # device work (zeros, contiguous copies, casts, streams and events) runs on the session's device
+            with self._on_device():
+                out = reduce_slots(self._transport, self._cache, entry, self._slots.groups, given, weight, global_weight, operation)
+        except CollectiveError as e:
+            self._failed = str(e)
+            self._cache.forget()  # a broken session holds no gradient arrays
+            raise
+        return ReducedGradients(out, global_weight)
+
+    def agree_window(self, grads: Mapping[str, Any], local_weight: Any, policy: Any, error: str | None = None) -> Agreed:
+        """:meth:`reduce` up to the movement: check locally, then agree (collective; moves no gradient).
+
+        ``error`` is the caller's own local error (an adapter's), agreed like
+        the core's. Raises ContractError on every rank as :meth:`reduce` does;
+        otherwise every rank holds the same facts of the window.
+        """
         self._usable()
         self._window += 1
         operation = f"reduce (window {self._window})"
         given: list[Given | None] = [None] * len(self._slots.groups)
-        error = self._check_window(grads, given)
+        error = self._check_window(grads, given) or error
         if type(local_weight) is int and 0 <= local_weight <= U64_MAX and policy.__class__ is MissingGradientPolicy:
             weight, code = local_weight, policy.value  # the usual window, cheaply
         else:
@@ -272,16 +308,7 @@ class DataParallel:
         except ContractError:
             self._cache.program = None  # a window that raises keeps no gradient arrays
             raise
-        entry = self._cache.plan(key, self._slots.sizes, len(self._transport.stage), self._slots.kinds)
-        try:
-            # device work (zeros, contiguous copies, casts, streams and events) runs on the session's device
-            with self._on_device():
-                out = reduce_slots(self._transport, self._cache, entry, self._slots.groups, given, weight, global_weight, operation)
-        except CollectiveError as e:
-            self._failed = str(e)
-            self._cache.forget()  # a broken session holds no gradient arrays
-            raise
-        return ReducedGradients(out, global_weight)
+        return Agreed(given, weight, global_weight, key, any(r[Window.WEIGHT] == 0 for r in rows))
 
     def _check_window(self, grads: Any, given: list[Given | None]) -> str | None:
         """This rank's replica and gradients, checked (local): the error, or None with ``given`` filled."""
@@ -340,6 +367,65 @@ class DataParallel:
             )
         return {g.name: a for g, a in zip(self._slots.groups, self._cache.flat.arrays)}
 
+    def reduction_buckets(self, order: Sequence[int], bucket_bytes: int) -> overlap.Buckets:
+        """Return the session's reduction buckets (:mod:`mpidp.overlap`), made on the first call.
+
+        Collective on the first call (every rank must make them; later calls
+        are local). ``order`` lists the reduction slots (indices into
+        :attr:`trainable`) in the order their gradients are expected to be
+        ready; root's order is every rank's. Buckets hold at most
+        ``bucket_bytes`` of float32 gradients each (a larger slot is a bucket
+        of its own) and are summed in calls of at most ``chunk_bytes``, on a
+        duplicate of the session's communicator. Host sessions only: ContractError on every rank for a
+        session on a device.
+        """
+        self._usable()
+        if self._buckets is None:
+            orders = self._comm.allgather_obj([int(i) for i in order], "reduction_buckets: order")
+            agreed = orders[self._root]
+            if sorted(agreed) != list(range(len(self._slots))):
+                raise ContractError(f"root's bucket order is not a permutation of the {len(self._slots)} reduction slots")
+            if self._device != "cpu":
+                raise ContractError(f"reduction buckets hold host memory; this session's device is {self._device}")
+            comm = _mpi.duplicate(self._comm.comm)
+            self._buckets = overlap.Buckets(comm, self._comm, self._slots.sizes, agreed, bucket_bytes // 4, self._chunk_bytes // 4)
+        return self._buckets
+
+    def reduce_buckets(self, grads: Mapping[str, Any], local_weight: Any, policy: Any, error: str | None, fill: Callable[[int], None]) -> Agreed:
+        """:meth:`reduce` for gradients that went into :meth:`reduction_buckets` while backward ran.
+
+        Collective: every rank must call it once per window. Checks and
+        agrees exactly as :meth:`reduce` (``grads`` are this rank's gradients,
+        which the checks read and nothing writes), plus the caller's local
+        ``error``. On a ContractError (every rank alike) every bucket is still
+        started and finished, its sums thrown away and nothing written, so the
+        next window starts clean. Otherwise ``fill(slot)`` fills each slot the
+        backward did not make ready, every bucket is finished, and the buckets'
+        ``sums`` hold the sums over the ranks (a rank of weight 0 counted as
+        zeros) for the caller to divide by the global weight.
+        """
+        buckets = self._buckets
+        assert buckets is not None, "reduction_buckets() first"
+        operation = f"reduce (window {self._window + 1}): Iallreduce"
+        try:
+            agreed = self.agree_window(grads, local_weight, policy, error)
+        except ContractError:
+            if not self._closed:
+                buckets.drain(operation)
+            raise
+        try:
+            buckets.flush(fill)
+            handed = self._comm.Allgather(np.array([buckets.handed], np.int64), f"{operation}: calls started")
+            buckets.finish(int(handed.max()), operation)
+            if agreed.zero_weight:  # its gradients left during backward: sum again, counting them as zeros
+                buckets.redo(agreed.weight == 0, operation)
+        except CollectiveError as e:
+            self._failed = str(e)
+            raise
+        finally:
+            buckets.reset()
+        return agreed
+
     def zero_gradients(self) -> None:
         """Set every array of :meth:`gradient_buffers` to zero (local, one fill per dtype)."""
         if self._cache.flat is not None:
@@ -386,6 +472,10 @@ class DataParallel:
             return
         self._closed = True
         self._cache.forget()  # release the last windows' gradient arrays
+        if self._buckets is not None:
+            if self._failed is None:
+                self._buckets.drain("close: Iallreduce")  # every rank starts every bucket of a window
+            self._buckets.comm.close()
         if self._watchdog is not None:
             self._watchdog.close()
         self._comm.close()

@@ -184,6 +184,11 @@ class Window:
                 bits = [a | b for a, b in zip(bits, r[Window.PRESENCE : Window.PRESENCE + words])]
         return global_weight, tuple(bits)
 
+    @staticmethod
+    def present(key: Sequence[int], slots: int) -> list[bool]:
+        """Presence words ``key`` as one flag per slot."""
+        return np.unpackbits(np.array(key, dtype=np.uint64).view(np.uint8), count=slots).astype(bool).tolist()
+
 
 class Verify:
     """The verify_replicas record: a CRC-32 of every tie-group head's bytes, in contract order."""

@@ -25,6 +25,7 @@ hidden in ``forward``.
 from __future__ import annotations
 
 import numbers
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import numpy as np
@@ -35,6 +36,7 @@ from .checks import ByteRegions
 from .contract import Region
 from .core import MissingGradientPolicy, MPIComm
 from .packing import DEFAULT_CHUNK_BYTES
+from .torch_overlap import Overlap
 
 __all__ = ["DataParallel"]
 
@@ -57,6 +59,13 @@ class DataParallel:
     Tensors that viewed the old ``p.data`` no longer alias the parameter,
     and saving one parameter alone saves its whole buffer.
 
+    ``overlap=True`` (CPU parameters) starts the reduction while backward
+    runs (:mod:`mpidp.torch_overlap`): gradients go into float32 buckets of
+    ``bucket_bytes`` (default ``chunk_bytes``) as autograd finishes them;
+    :meth:`reduce` then finishes them, with the plain path's results bit for
+    bit. Run the backward passes of a window but the last under
+    :meth:`no_sync`.
+
     ``chunk_bytes``, ``abort_on_exception`` and ``timeout`` are those of
     :meth:`mpidp.DataParallel.initialize`. Raises ContractError on every rank,
     before anything is modified, if any rank's model is invalid or differs
@@ -73,11 +82,15 @@ class DataParallel:
         abort_on_exception: bool = True,
         timeout: float | None = None,
         flat_parameters: bool = False,
+        overlap: bool = False,
+        bucket_bytes: int | None = None,
     ) -> None:
         self.module = model
         error = _check_module(model)
         regions = _regions(_buffers(model) if error is None else [])
-        error = error or regions.error
+        if bucket_bytes is None:
+            bucket_bytes = chunk_bytes
+        error = error or regions.error or (_overlap_problem(model, bucket_bytes) if overlap else None)
         self._params: dict[str, Any] = dict(model.named_parameters(remove_duplicate=False)) if error is None else {}
         frozen = [name for name, p in self._params.items() if not p.requires_grad]
         moved: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
@@ -96,6 +109,17 @@ class DataParallel:
         #: the first name (in contract order) of every tie group, frozen ones included
         self._heads = tuple(first.values())
         self._trainable = frozenset(self._core.trainable)
+        self._overlap: Overlap | None = None
+        if overlap:  # gradients go into reduction buckets during backward (mpidp.torch_overlap)
+            try:
+                forward = [name for name, _ in model.named_parameters()]  # registration order, each tie group once
+                self._overlap = Overlap(self._core, self._params, [first[id(self._params[n])] for n in forward], bucket_bytes)
+            except BaseException:
+                self._core.close()
+                raise
+            self._grads: dict[str, Any] = {}
+            self._hooks: list[Any] = []
+            return
         #: every trainable head's .grad lives in the core's flat storage: reduced in place, no packing
         self._grads = self._core.gradient_buffers()
         self._hooks = [
@@ -149,6 +173,9 @@ class DataParallel:
         """
         params = self._refresh()
         weight = _as_int(local_weight)
+        if self._overlap is not None:  # the checks read .grad (a sparse one as its dense copy); the buckets move it
+            given = {h: g if g.layout == torch.strided else g.to_dense() for h in self._heads if h in params and (g := params[h].grad) is not None}
+            return self._overlap.reduce(self._core, given, weight, policy)
         grads: dict[str, Any] = {}
         for head in self._heads:
             p = params.get(head)
@@ -201,6 +228,16 @@ class DataParallel:
         self._refresh()
         self._core.verify_replicas()
 
+    def no_sync(self) -> AbstractContextManager[None]:
+        """A context for the backward passes of a window but the last: they only accumulate ``.grad`` (local).
+
+        With ``overlap=True`` the last backward of a window starts the
+        reductions as it goes; the ones before it must run under
+        ``no_sync()`` (as with DDP's). On the plain path every backward only
+        accumulates anyway, and the context does nothing.
+        """
+        return nullcontext() if self._overlap is None else self._overlap.no_sync()
+
     def zero_grad(self) -> None:
         """Zero every trainable ``.grad`` in place, in mpidp's flat storage (local; one fill per dtype).
 
@@ -209,6 +246,9 @@ class DataParallel:
         copy each into the flat storage; ``set_to_none=False`` or this method
         keep them there.
         """
+        if self._overlap is not None:
+            self._overlap.zero_grad()
+            return
         self._core.zero_gradients()
         for head in self._core.trainable:
             p = self._params[head]
@@ -220,6 +260,8 @@ class DataParallel:
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
+        if self._overlap is not None:
+            self._overlap.close()
         self._core.close()
 
     def __enter__(self) -> DataParallel:  # noqa: PYI034 - Self needs Python 3.11
@@ -273,6 +315,16 @@ def _flatten(params: dict[str, Any]) -> tuple[list[tuple[torch.nn.Parameter, tor
             p.data = old
         return [], f"could not lay the parameters out flat (flat_parameters=True): {type(e).__name__}: {e}"
     return moved, None
+
+
+def _overlap_problem(model: torch.nn.Module, bucket_bytes: Any) -> str | None:
+    """Why ``overlap=True`` cannot serve this rank's model with these buckets, or None (local)."""
+    if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 4:
+        return f"bucket_bytes must be an integer of at least 4, got {bucket_bytes!r}"
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if p.device.type != "cpu":
+            return f"overlap=True reduces host (CPU) parameters only; parameter {name!r} is on {p.device}"
+    return None
 
 
 def _check_module(model: Any) -> str | None:

@@ -75,6 +75,16 @@ def test_watchdog_aborts_a_rank_that_skipped_broadcast_buffers() -> None:
     assert after <= 3 + 5, f"the job took {after:.1f} s to end after the skip"
 
 
+def test_watchdog_aborts_ranks_waiting_for_overlapped_buckets() -> None:
+    """overlap=True: the buckets' calls started in backward are waited for under the session's watchdog."""
+    pytest.importorskip("torch")
+    code, out, after = job("skip-overlap", MPIDP_TIMEOUT="3")
+    assert code != 0, out
+    for rank in (0, 1, 2):
+        assert re.search(rf"mpidp watchdog: rank {rank} has waited [\d.]+ s in close: Iallreduce", out), out
+    assert after <= 3 + 5, f"the job took {after:.1f} s to end after the skip"
+
+
 def test_the_latest_session_decides_whether_an_exception_aborts(tmp_path: Path) -> None:
     """A session with abort_on_exception=False after a closed default one: an exception is a plain traceback."""
     script = tmp_path / "later.py"

@@ -10,6 +10,10 @@
   others wait in mpidp's exchange until the watchdog (MPIDP_TIMEOUT) aborts.
 - ``skip-buffers``: the same with the PyTorch adapter: rank 3 skips
   ``broadcast_buffers``, whose collectives the adapter's own watchdog watches.
+- ``skip-overlap``: the PyTorch adapter with ``overlap=True``: ranks 0-2 run a
+  backward (its buckets start summing) and close; rank 3 runs none and waits in
+  the user's own barrier; the others wait for their buckets until the watchdog
+  aborts.
 """
 
 import os
@@ -36,6 +40,19 @@ if mode == "skip-buffers":
         print(f"rank {rank}: skipping broadcast_buffers at {time.time():.3f}", flush=True)
         comm.Barrier()
     tdp.broadcast_buffers()
+    sys.exit(0)
+if mode == "skip-overlap":
+    import torch
+
+    import mpidp.torch
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
+    tdp = mpidp.torch.DataParallel(model, comm, overlap=True, bucket_bytes=4096)
+    if rank == 3:
+        print(f"rank {rank}: skipping the backward and close at {time.time():.3f}", flush=True)
+        comm.Barrier()
+    model(torch.ones(2, 64)).sum().backward()
+    tdp.close()
     sys.exit(0)
 params = {"w": np.zeros(1000, np.float32), "b": np.zeros(10, np.float32)}
 dp = mpidp.DataParallel.initialize(params, comm)

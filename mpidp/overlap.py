@@ -1,0 +1,217 @@
+"""Reduction buckets that start summing while backward runs (host float32; any adapter can use them).
+
+A session's trainable slots are laid out, in an order every rank agreed on
+(roughly the reverse of the forward, as gradients become ready), in one
+float32 *send* buffer, cut into buckets of at most ``bucket`` values (a slot
+larger than that is a bucket of its own), each summed in calls of at most
+``chunk`` values. The
+adapter fills a slot's part of the send buffer and calls :meth:`Buckets.ready`;
+when every slot of the next bucket in line is ready, the bucket's
+non-blocking Allreduce starts, into a separate *receive* buffer, so that the
+caller's gradients are never written by the network. Buckets start strictly
+in order, so every rank issues the same collectives in the same order,
+however its backward went: :meth:`Buckets.flush` starts whatever is left
+(slots the backward did not reach are filled then, with zeros where a rank
+has no gradient; a window that raises sends them as they are and throws the
+sums away). Progress needs no thread: every :meth:`ready` tests the oldest
+requests in flight once (MPI progresses them inside the test, on the calling
+thread, and returns at once) and hands queued calls to MPI, at most
+:data:`DEPTH` at a time. :meth:`Buckets.finish` then sums what no rank had
+handed to MPI with blocking calls, faster in MPICH.
+
+The buckets use a communicator of their own, so the window's agreement (on
+the session's communicator) may run while they are in flight. Every window
+starts every bucket exactly once, on every rank, whatever happens: a window
+that raises, and ``close``, flush and wait first.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from .comm import Communicator
+
+__all__ = ["DEPTH", "Buckets", "layout"]
+
+#: Non-blocking calls in flight at once. MPICH 5.0.2 (PyPI wheel, shared memory, 2 ranks) sums 120 MB
+#: in 1 MiB Iallreduce calls 2-3x slower with every call started at once than with 1-2 in flight
+#: (docs/performance.md, "Overlap with backward"; its blocking Allreduce is faster still).
+DEPTH = 2
+
+
+def layout(
+    sizes: Sequence[int], order: Sequence[int], bucket: int, chunk: int
+) -> tuple[list[int], list[list[int]], list[list[tuple[int, int]]]]:
+    """Where each slot lies in the send buffer, and the buckets (slots, calls) in the order they start (pure).
+
+    ``order`` lists the slots in the order their gradients are expected;
+    a bucket closes before the slot that would take it over ``bucket``
+    values, and a call never exceeds ``chunk`` values.
+    """
+    bucket, chunk = max(1, bucket), max(1, chunk)
+    offset = [0] * len(sizes)
+    slots: list[list[int]] = []
+    calls: list[list[tuple[int, int]]] = []
+    filled = bucket  # no open bucket
+    at = 0
+    for s in order:
+        n = sizes[s]
+        offset[s] = at
+        if filled + n > bucket:
+            slots.append([])
+            calls.append([])
+            filled = 0
+        slots[-1].append(s)
+        filled += n
+        at += n
+    for k, members in enumerate(slots):
+        lo = offset[members[0]]
+        hi = offset[members[-1]] + sizes[members[-1]]
+        calls[k] = [(a, min(a + chunk, hi)) for a in range(lo, hi, chunk)] if hi > lo else []
+    return offset, slots, calls
+
+
+class Buckets:
+    """The reduction buckets of one session: send and receive buffers, and the window's requests.
+
+    ``comm`` is the buckets' own communicator (a duplicate); ``watched`` is
+    the session's, whose watchdog sees :meth:`wait` and :meth:`redo`.
+    """
+
+    def __init__(
+        self, comm: Communicator, watched: Communicator, sizes: Sequence[int], order: Sequence[int], bucket: int, chunk: int
+    ) -> None:
+        self.comm = comm
+        self.watched = watched
+        offset, self._slots, self._calls = layout(sizes, order, bucket, chunk)
+        total = sum(sizes)
+        self.send = np.zeros(total, np.float32)
+        self.recv = np.zeros(total, np.float32)
+        #: per slot, its part of the send buffer (what this rank contributes) and of the receive buffer (the sum)
+        self.views = [self.send[o : o + n] for o, n in zip(offset, sizes)]
+        self.sums = [self.recv[o : o + n] for o, n in zip(offset, sizes)]
+        self._bucket = [0] * len(sizes)
+        for k, members in enumerate(self._slots):
+            for s in members:
+                self._bucket[s] = k
+        #: calls of started buckets not yet handed to MPI, and the requests in flight (at most ``depth``), oldest first
+        self._pending: deque[tuple[int, int]] = deque()
+        self._flight: deque[Any] = deque()
+        self.depth = DEPTH
+        self.reset()
+
+    def __len__(self) -> int:
+        return len(self._slots)
+
+    def reset(self) -> None:
+        """Start a new window: no slot ready, no bucket started (none may be in flight)."""
+        self._ready = bytearray(len(self._bucket))
+        self._left = [len(m) for m in self._slots]
+        self._next = 0
+        #: calls handed to MPI (started non-blocking) in this window
+        self._handed = 0
+        #: a slot was made ready twice in this window (a second backward while its bucket could be in flight)
+        self.stale = False
+
+    @property
+    def handed(self) -> int:
+        """Calls handed to MPI in this window (local)."""
+        return self._handed
+
+    @property
+    def started(self) -> int:
+        """Buckets started (queued or summing) in this window."""
+        return self._next
+
+    def ready(self, slot: int) -> None:
+        """Slot ``slot``'s send part is filled: queue every bucket now complete, in order, and progress the calls."""
+        if self._ready[slot]:
+            self.stale = True
+            return
+        self._ready[slot] = 1
+        k = self._bucket[slot]
+        self._left[k] -= 1
+        if k == self._next and self._left[k] == 0:
+            while self._next < len(self._slots) and self._left[self._next] == 0:
+                self._queue(self._next)
+        self.progress()
+
+    def _queue(self, k: int) -> None:
+        self._pending.extend(self._calls[k])
+        self._next = k + 1
+
+    def progress(self) -> None:
+        """Test the oldest calls in flight once each, and start queued calls in their place (local, never waits)."""
+        flight = self._flight
+        while flight and self.comm.done(flight[0]):
+            flight.popleft()
+        self._fill_flight()
+
+    def _fill_flight(self) -> None:
+        while self._pending and len(self._flight) < self.depth:
+            self._start(*self._pending.popleft())
+
+    def _start(self, lo: int, hi: int) -> None:
+        self._flight.append(self.comm.Iallreduce(self.send[lo:hi], self.recv[lo:hi], "reduce: Iallreduce"))
+        self._handed += 1
+
+    def flush(self, fill: Callable[[int], None] | None) -> None:
+        """Queue every bucket not started yet; ``fill(slot)`` first fills each slot not ready (None: as it is)."""
+        for k in range(self._next, len(self._slots)):
+            for s in self._slots[k]:
+                if not self._ready[s] and fill is not None:
+                    fill(s)
+                self._ready[s] = 1
+            self._left[k] = 0
+            self._queue(k)
+
+    def wait(self, operation: str) -> None:
+        """Hand every queued call to MPI, ``depth`` at a time, and finish them (watched by the session's watchdog)."""
+        self._fill_flight()
+        flight = self._flight
+        while flight:
+            self.watched.wait([flight.popleft()], operation)
+            self._fill_flight()
+
+    def finish(self, handed: int, operation: str) -> None:
+        """Finish the window's calls: non-blocking up to call ``handed``, blocking after it (collective; after :meth:`flush`).
+
+        ``handed`` is the most calls any rank handed to MPI during backward
+        (:attr:`handed`, agreed): every rank starts that many non-blocking,
+        as collectives must match, and sums the rest with blocking Allreduce
+        calls on the session's communicator, which MPICH runs faster than
+        non-blocking ones (:data:`DEPTH`).
+        """
+        pending = self._pending
+        while self._handed < handed:
+            self._start(*pending.popleft())
+        self._pending = deque()
+        self.wait(operation)
+        for lo, hi in pending:
+            self.watched.Allreduce_into(self.send[lo:hi], self.recv[lo:hi], operation)
+
+    def drain(self, operation: str) -> None:
+        """End the window whatever it held: start what is left as it is, wait, reset (collective).
+
+        The sums are thrown away, and nothing of the send buffer is written
+        (an adapter's gradients may live there).
+        """
+        self.flush(None)
+        self.wait(operation)
+        self.reset()
+
+    def redo(self, zero: bool, operation: str) -> None:
+        """Sum every bucket again with blocking calls, this rank's contribution zeroed if ``zero`` (collective).
+
+        For windows in which a rank turned out to have weight 0: its
+        gradients were already on their way, but count as zeros.
+        """
+        if zero:
+            self.send[...] = 0
+        for calls in self._calls:
+            for lo, hi in calls:
+                self.watched.Allreduce_into(self.send[lo:hi], self.recv[lo:hi], operation)

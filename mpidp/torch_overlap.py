@@ -1,0 +1,141 @@
+"""The PyTorch adapter's overlapped path: gradients go into reduction buckets as autograd finishes them.
+
+Used by :class:`mpidp.torch.DataParallel` with ``overlap=True``. A
+post-accumulate-grad hook per trainable tie group copies the finished
+gradient into its slot of the session's float32 send buffer
+(:mod:`mpidp.overlap`; a float32 ``.grad`` then *is* that slot, so the next
+backward accumulates there and needs no copy) and marks it ready: complete
+buckets start summing at once, in the agreed order, while backward goes on.
+``reduce`` then agrees on the window as the plain path does, finishes the
+buckets, and writes ``sum / global_weight`` into ``.grad``. The hooks never
+raise: what goes wrong in one is this rank's error at the next ``reduce``,
+agreed by every rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+import torch
+
+from . import core
+
+__all__ = ["Overlap"]
+
+
+class Overlap:
+    """The hooks, the send slots as tensors, and the window state of one overlapped session (local)."""
+
+    def __init__(self, session: core.DataParallel, params: dict[str, Any], forward: Sequence[str], bucket_bytes: int) -> None:
+        heads = session.trainable
+        slot = {h: i for i, h in enumerate(heads)}
+        order = [slot[h] for h in reversed(forward) if h in slot]  # backward finishes the last layers first
+        self.buckets = session.reduction_buckets(order, bucket_bytes)
+        self.names = heads
+        self.params = [params[h] for h in heads]
+        #: each slot's part of the send buffer, shaped like its parameter (float32)
+        self.send = [torch.from_numpy(v).view(p.shape) for v, p in zip(self.buckets.views, self.params)]
+        self.fp32 = [p.dtype == torch.float32 for p in self.params]
+        self.paused = 0  # no_sync depth: backward passes that only accumulate
+        self.running = False  # a backward pass made a slot ready and has not ended yet
+        self.error: str | None = None  # the first thing that went wrong in a hook, for the next reduce
+        self.hooks = [p.register_post_accumulate_grad_hook(self._hook(i)) for i, p in enumerate(self.params)]
+
+    def _hook(self, i: int) -> Any:
+        def hook(p: torch.Tensor) -> None:
+            if self.paused:
+                return
+            try:
+                if not self.running:
+                    self.running = True
+                    torch.autograd.Variable._execution_engine.queue_callback(self._ended)
+                self.fill(i)
+                self.buckets.ready(i)
+            except Exception as e:  # noqa: BLE001 - reported to every rank at the next reduce, never raised in backward
+                self.error = self.error or f"the gradient hook of {self.names[i]!r} failed: {type(e).__name__}: {e}"
+
+        return hook
+
+    def _ended(self) -> None:
+        self.running = False
+
+    def fill(self, i: int) -> None:
+        """Put slot ``i``'s gradient into its send slot (upcast; zeros when it has none)."""
+        p, t = self.params[i], self.send[i]
+        g = p.grad
+        if g is t:
+            return
+        if g is None:
+            t.zero_()
+            return
+        dense = g.layout == torch.strided
+        with torch.no_grad():
+            t.copy_(g if dense else g.to_dense())
+        if dense and self.fp32[i]:
+            p.grad = t  # later backward passes accumulate in the send slot: no copy next time
+
+    def problem(self) -> str | None:
+        """What this rank's backward passes did wrong in this window, for the agreement (local)."""
+        if self.error is not None:
+            return self.error
+        if self.running:
+            return (
+                f"a backward pass did not finish (did it raise?) after starting {self.buckets.started} of "
+                f"{len(self.buckets)} reduction buckets; run a complete backward before reduce"
+            )
+        if self.buckets.stale:
+            return (
+                "a gradient was finished twice in this window while its reduction could be in flight: "
+                "with overlap=True, run every backward pass of a window but the last under dp.no_sync()"
+            )
+        return None
+
+    def reduce(self, session: core.DataParallel, grads: dict[str, Any], weight: Any, policy: Any) -> int:
+        """Agree, finish the buckets, write ``sum / global_weight`` into ``.grad`` (collective)."""
+        try:
+            agreed = session.reduce_buckets(grads, weight, policy, self.problem(), self.fill)
+        finally:
+            self.running, self.error = False, None
+        w = np.float32(agreed.global_weight)
+        for i, (p, here) in enumerate(zip(self.params, agreed.present(len(self.params)))):
+            if not here:
+                p.grad = None
+                continue
+            g, t, total = p.grad, self.send[i], self.buckets.sums[i]
+            if self.fp32[i]:
+                np.divide(total, w, out=self.buckets.views[i])
+                if g is None or g is t or g.layout != torch.strided:
+                    p.grad = t
+                else:
+                    g.copy_(t)
+                continue
+            np.divide(total, w, out=total)
+            result = torch.from_numpy(total).view(p.shape)
+            if g is None or g.layout != torch.strided:
+                p.grad = result.to(p.dtype)
+            else:
+                g.copy_(result)
+        return agreed.global_weight
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        self.paused += 1
+        try:
+            yield
+        finally:
+            self.paused -= 1
+
+    def zero_grad(self) -> None:
+        """Zero every send slot and every ``.grad`` that is not one (local)."""
+        self.buckets.send.fill(0)
+        for p, t in zip(self.params, self.send):
+            if p.grad is not None and p.grad is not t:
+                p.grad.zero_()
+
+    def close(self) -> None:
+        for hook in self.hooks:
+            hook.remove()
+        self.hooks = []

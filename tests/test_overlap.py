@@ -1,0 +1,251 @@
+"""mpidp.torch with overlap=True: the same bits as the plain path, the same errors, no hang.
+
+Collective tests run on every rank of COMM_WORLD (a world of one serially,
+four ranks under mpiexec) and assert on every rank. Every test trains a
+plain session and an overlapped one side by side on copies of one model
+and compares their ``.grad`` bytes on every rank. Small ``chunk_bytes``
+cut the models into many buckets.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from typing import Any
+
+import numpy as np
+import pytest
+from conftest import same_error_everywhere
+from mpi4py import MPI
+
+torch = pytest.importorskip("torch")
+from test_torch import IGNORE, REDUCE_ERRORS, TinyLM, grads, loss_sum, micro_batches, shards, window
+from torch import nn
+
+import mpidp.torch
+from mpidp import ContractError, MissingGradientPolicy
+from mpidp.overlap import layout
+
+ZERO, ERROR = MissingGradientPolicy.ZERO, MissingGradientPolicy.ERROR
+#: buckets of 64 float32 values: TinyLM's 12 slots fill about 10 buckets
+SMALL = {"bucket_bytes": 256}
+
+
+class Mixed(nn.Module):
+    """float32 and bfloat16 parameters side by side, the bfloat16 ones used in bfloat16."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        with torch.random.fork_rng():
+            torch.manual_seed(seed)
+            self.embed = nn.Embedding(17, 8)
+            self.low = nn.Linear(8, 8).to(torch.bfloat16)
+            self.bias = nn.Parameter(torch.randn(8, dtype=torch.bfloat16))
+            self.head = nn.Linear(8, 17)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        h = h + (self.low(h.to(torch.bfloat16)) + self.bias).float()
+        return self.head(torch.tanh(h))
+
+
+def pair(make: Any, comm: MPI.Comm, **options: Any) -> tuple[tuple[nn.Module, Any], tuple[nn.Module, Any]]:
+    """(model, session) plain and overlapped, on copies of rank 0's ``make(seed)``."""
+    plain, over = make(100 + comm.rank), make(100 + comm.rank)  # root's is broadcast in both
+    return (plain, mpidp.torch.DataParallel(plain, comm, **options)), (over, mpidp.torch.DataParallel(over, comm, overlap=True, **options))
+
+
+def same_grads_everywhere(comm: MPI.Comm, a: nn.Module, b: nn.Module) -> None:
+    """``.grad`` of ``a`` and ``b`` byte for byte equal (None alike), checked on every rank."""
+    mine = grads(a) == grads(b)
+    every = comm.allgather(mine)
+    assert all(every), f"ranks whose overlapped gradients differ from the plain ones: {[r for r, ok in enumerate(every) if not ok]}"
+
+
+def test_layout_puts_slots_in_order_and_splits_large_ones() -> None:
+    offset, slots, calls = layout([3, 10, 2, 2], [3, 2, 0, 1], 4, 4)
+    assert offset == [4, 7, 2, 0]
+    assert slots == [[3, 2], [0], [1]]
+    assert calls == [[(0, 4)], [(4, 7)], [(7, 11), (11, 15), (15, 17)]]
+    offset, slots, calls = layout([3, 10, 2, 2], [3, 2, 0, 1], 8, 3)
+    assert slots == [[3, 2, 0], [1]]
+    assert calls == [[(0, 3), (3, 6), (6, 7)], [(7, 10), (10, 13), (13, 16), (16, 17)]]
+
+
+@pytest.mark.parametrize("zero", ["dp", "none"])
+@pytest.mark.parametrize("accumulate", [1, 3])
+def test_overlap_equals_the_plain_path_bitwise(comm: MPI.Comm, accumulate: int, zero: str) -> None:
+    """Tied and frozen parameters, one used by some ranks only, one by none, a rank without tokens; micro-batches."""
+    (plain, dp), (over, do) = pair(lambda s: TinyLM(s, frozen=True), comm, **SMALL)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.3, momentum=0.9) for m in (plain, over)]
+    with dp, do:
+        for step in range(4):
+            batches = list(micro_batches(shards(step, comm.size)[comm.rank], accumulate))
+            tokens = sum(int((y != IGNORE).sum()) for _, y in batches)
+            for model, session, opt in ((plain, dp, opts[0]), (over, do, opts[1])):
+                for k, (x, y) in enumerate(batches):
+                    with session.no_sync() if k < len(batches) - 1 else nullcontext():
+                        loss_sum(model, x, y).backward()
+                assert session.reduce(local_weight=tokens, policy=ZERO) == sum(comm.allgather(tokens))
+            assert over.unused.weight.grad is None and over.proj.weight.grad is None  # unused everywhere; frozen
+            same_grads_everywhere(comm, plain, over)
+            for model, session, opt in ((plain, dp, opts[0]), (over, do, opts[1])):
+                opt.step()
+                session.zero_grad() if zero == "dp" else opt.zero_grad()
+        assert all(comm.allgather(all(torch.equal(p, q) for p, q in zip(plain.parameters(), over.parameters()))))
+
+
+def test_overlap_sums_bfloat16_gradients_in_float32_like_the_plain_path(comm: MPI.Comm) -> None:
+    (plain, dp), (over, do) = pair(Mixed, comm, **SMALL)
+    with dp, do:
+        for step in range(3):
+            rng = np.random.default_rng([3, step, comm.rank])
+            x = torch.tensor(rng.integers(0, 17, size=(2, 5 + comm.rank)))
+            for model, session in ((plain, dp), (over, do)):
+                nn.functional.cross_entropy(model(x).flatten(0, 1), x.flatten(), reduction="sum").backward()
+                session.reduce(local_weight=x.numel())
+            assert over.low.weight.grad.dtype == torch.bfloat16
+            same_grads_everywhere(comm, plain, over)
+            for model in (plain, over):
+                model.zero_grad()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_rank_of_weight_zero_counts_as_zeros_although_its_gradients_left(comm: MPI.Comm) -> None:
+    """Rank 0 runs a real backward but says it has no tokens: its gradients, already on their way, must not count."""
+    (plain, dp), (over, do) = pair(TinyLM, comm, **SMALL)
+    with dp, do:
+        for model, session in ((plain, dp), (over, do)):
+            weight = window(comm, model)
+            session.reduce(local_weight=0 if comm.rank == 0 else weight, policy=ZERO)
+        same_grads_everywhere(comm, plain, over)
+
+
+@pytest.mark.parametrize("case", sorted(REDUCE_ERRORS))
+def test_overlap_refuses_bad_input_on_every_rank_touches_nothing_and_recovers(comm: MPI.Comm, where: tuple[bool, int], case: str) -> None:
+    mine, bad = where
+    spoil, policy, message = REDUCE_ERRORS[case]
+    (plain, dp), (over, do) = pair(lambda s: TinyLM(s, extras=False, frozen=True), comm, **SMALL)
+    with dp, do:
+        if mine:
+            spoil(over)
+        weight: Any = window(comm, over, backward=not (mine and case == "missing gradient"))
+        if mine and case == "float weight":
+            weight = torch.tensor(float(weight))
+        before = grads(over)
+        same_error_everywhere(comm, lambda: do.reduce(local_weight=weight, policy=policy), ContractError, f"rank {bad}: {message}")
+        assert grads(over) == before
+    if case in ("missing gradient", "float weight"):  # the session is fine: the next window matches the plain path
+        (plain, dp), (over, do) = pair(lambda s: TinyLM(s, extras=False, frozen=True), comm, **SMALL)
+        with dp, do:
+            for model, session in ((plain, dp), (over, do)):
+                session.reduce(local_weight=window(comm, model))
+            same_grads_everywhere(comm, plain, over)
+
+
+def test_a_sparse_embedding_gradient_is_reduced_dense_like_the_plain_path(comm: MPI.Comm) -> None:
+    (plain, dp), (over, do) = pair(lambda seed: nn.Embedding(10, 3, sparse=True), comm, **SMALL)
+    with dp, do:
+        for model, session in ((plain, dp), (over, do)):
+            model(torch.tensor([comm.rank % 10, 9])).sum().backward()
+            assert model.weight.grad.is_sparse
+            session.reduce(local_weight=2)
+        assert not over.weight.grad.is_sparse
+        same_grads_everywhere(comm, plain, over)
+
+
+def test_a_parameter_unused_everywhere_is_refused_under_error_then_absent_under_zero(comm: MPI.Comm) -> None:
+    (plain, dp), (over, do) = pair(TinyLM, comm, **SMALL)
+    with dp, do:
+        weight = window(comm, over)
+        before = grads(over)
+        same_error_everywhere(comm, lambda: do.reduce(local_weight=weight), ContractError, "rank 0: parameter 'unused.bias' has no gradient")
+        assert grads(over) == before
+        do.reduce(local_weight=weight, policy=ZERO)
+        dp.reduce(local_weight=window(comm, plain), policy=ZERO)
+        assert over.unused.weight.grad is None
+        same_grads_everywhere(comm, plain, over)
+
+
+def test_a_second_backward_outside_no_sync_is_refused_on_every_rank(comm: MPI.Comm) -> None:
+    model = TinyLM(100, extras=False)
+    with mpidp.torch.DataParallel(model, comm, overlap=True, **SMALL) as do:
+        weight = window(comm, model)
+        if comm.rank == comm.size - 1:
+            weight += window(comm, model)
+        same_error_everywhere(comm, lambda: do.reduce(local_weight=weight), ContractError, f"rank {comm.size - 1}: ", "dp.no_sync()")
+        model.zero_grad()
+        do.reduce(local_weight=window(comm, model))  # the next window goes ahead
+
+
+class Fails(torch.autograd.Function):
+    """Identity forward; its backward raises (on the ranks that ask for it)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("backward failed on purpose")
+
+
+class Breaks(TinyLM):
+    """TinyLM whose backward raises halfway (after the head's gradient, before the embedding's) when ``broken``."""
+
+    broken = False
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        if self.broken:
+            h = Fails.apply(h)
+        h = h + torch.tanh(self.proj(h))
+        return self.head(self.norm(h))
+
+
+def test_a_backward_that_raises_midway_on_one_rank_ends_in_an_error_everywhere_not_a_hang(comm: MPI.Comm) -> None:
+    model = Breaks(100, extras=False, tie=False)
+    model.mix.requires_grad_(False)  # not in this forward
+    with mpidp.torch.DataParallel(model, comm, overlap=True, **SMALL) as do:
+        model.broken = comm.rank == comm.size - 1
+        try:
+            weight = window(comm, model)
+        except RuntimeError as e:
+            assert "on purpose" in str(e)
+            weight = 1
+        assert model.head.weight.grad is not None  # the last layer's gradient was finished, its bucket started
+        same_error_everywhere(comm, lambda: do.reduce(local_weight=weight), ContractError, f"rank {comm.size - 1}: a backward pass did not finish")
+        model.broken = False
+        model.zero_grad()
+        do.reduce(local_weight=window(comm, model))  # the next window goes ahead
+
+
+def test_close_after_a_partial_window_on_some_ranks_does_not_hang(comm: MPI.Comm) -> None:
+    model = TinyLM(100, extras=False)
+    do = mpidp.torch.DataParallel(model, comm, overlap=True, **SMALL)
+    if comm.rank % 2:
+        window(comm, model)  # its buckets are in flight; the others started none
+    do.close()
+    do.close()
+    with pytest.raises(ContractError, match="closed"):
+        do.reduce(local_weight=1)
+
+
+def test_no_sync_is_a_no_op_on_the_plain_path(comm: MPI.Comm) -> None:
+    model = TinyLM(100, extras=False)
+    with mpidp.torch.DataParallel(model, comm) as dp:
+        with dp.no_sync():
+            weight = window(comm, model)
+        weight += window(comm, model)
+        dp.reduce(local_weight=weight)
+        assert model.embed.weight.grad is not None
+
+
+@pytest.mark.parametrize("bucket_bytes", [0, 2.5, True])
+def test_a_bad_bucket_size_is_refused_on_every_rank(comm: MPI.Comm, where: tuple[bool, int], bucket_bytes: Any) -> None:
+    mine, bad = where
+    model = TinyLM(100, extras=False)
+    options = {"bucket_bytes": bucket_bytes} if mine else {}
+    same_error_everywhere(
+        comm, lambda: mpidp.torch.DataParallel(model, comm, overlap=True, **options), ContractError,
+        f"rank {bad}: bucket_bytes must be an integer of at least 4, got {bucket_bytes!r}",
+    )

@@ -1,0 +1,59 @@
+"""benchmarks/train_step.py keeps working: a --quick 2-rank run writes a complete, sane result.
+
+It starts its own MPI job in a subprocess with a hard timeout, so it runs in
+the serial session only (a world of one). Nothing here looks at how fast
+anything was: CI never gates on wall-clock time.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import clean_env
+from mpi4py import MPI
+
+pytest.importorskip("torch")
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "benchmarks" / "train_step.py"
+MPIEXEC = str(Path(sys.executable).with_name("mpiexec"))
+TIMEOUT = 240
+VARIANTS = {"local", "mpidp", "mpidp_overlap", "ddp_gloo", "horovod"}
+
+pytestmark = pytest.mark.skipif(MPI.COMM_WORLD.Get_size() > 1, reason="starts its own MPI job")
+
+
+def positive(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
+
+
+def test_quick_run_times_every_variant_in_parts(tmp_path: Path) -> None:
+    try:
+        p = subprocess.run(
+            [MPIEXEC, "-n", "2", sys.executable, "-m", "mpi4py", str(SCRIPT), "--quick", "--out", str(tmp_path)],
+            check=False, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=TIMEOUT, env=clean_env(), cwd=ROOT,
+        )
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"the quick train-step benchmark did not finish in {TIMEOUT} s:\n{e.output}")
+    assert p.returncode == 0, p.stdout
+    result = json.loads((tmp_path / "quick-train-step-np2.json").read_text())
+    assert result["meta"]["world_size"] == 2 and result["meta"]["quick"] is True
+    assert set(result["models"]) == {"gpt2-tiny", "resnet-tiny"}
+    for name, m in result["models"].items():
+        assert m["parameters"] > 0 and m["gradient_bytes"] == 4 * m["parameters"], name
+        assert all(positive(t) for t in m["limits"].values()), name
+        assert set(m["variants"]) == VARIANTS, name
+        for v, r in m["variants"].items():
+            for part in ("step", "forward_backward", "optimizer", "step_vs_ddp_gloo", "step_vs_local"):
+                assert positive(r[part]), (name, v, part, r[part])
+            assert r["reduce_after_backward"] >= 0
+            assert len(r["samples"]) == result["meta"]["steps"]
+            assert r["step"] >= r["forward_backward"]
+        assert name in p.stdout
+    assert "vs DDP" in p.stdout

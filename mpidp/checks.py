@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import numbers
 import os
-import socket
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -89,7 +88,7 @@ def setup(
             error = f"could not allocate the chunk buffers (chunk_bytes={chunk_bytes}, {found.device}): {type(e).__name__}: {e}"
     heads = [a for i, (e, a) in enumerate(zip(found.contract, found.arrays)) if e.alias == i]
     runs = layout.runs(heads, found.device) if error is None else None
-    setup = Setup(found.contract, int(root), chunk, on_host(found), runs, regions.entries, reduction, socket.gethostname())
+    setup = Setup(found.contract, int(root), chunk, on_host(found), runs, regions.entries, reduction)
     return Found(setup, error, found, aware, stage, gpu, scatter)
 
 

@@ -517,9 +517,6 @@ def start(
         local = checks.setup(c, params, root, frozen, options, regions, setup_error)  # check locally
         everyone = records.agree(c, local.setup, local.error, "initialize: agreement")  # agree
         self = DataParallel(c, params, local, watchdog)
-        if local.scatter is not None:  # the reduce-scatter rule counts the hosts the ranks span (agreed)
-            scatter = local.scatter._replace(hosts=len({r.host for r in everyone}))
-            self._transport = self._transport._replace(scatter=scatter)
         self._broadcast(everyone)  # move
         self._move_regions(regions, "buffers: Bcast")
     except BaseException:

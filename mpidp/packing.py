@@ -322,23 +322,22 @@ REDUCTIONS = ("auto", "allreduce", "reduce_scatter")
 SCATTER_MIN = 1 << 15
 
 
-def reduce_scatter_for(length: int, dtype: Any, size: int, mode: str, hosts: int = 1) -> bool:
+def reduce_scatter_for(length: int, dtype: Any, size: int, mode: str) -> bool:
     """Whether a call of ``length`` units of one ``dtype`` (None: mixed) is reduce-scattered (pure; agreed facts only).
 
     ``allreduce``: never. ``reduce_scatter``: every call of one dtype.
-    ``auto``: 16-bit calls of at least :data:`SCATTER_MIN` units when the
-    ranks span several ``hosts`` (the 2-byte Allgather moves 25% fewer bytes
-    over the network) or are two (the owners' division and cast of half the
-    values beat a full pass after the Allreduce); float32 calls, and 16-bit
-    ones of three or more ranks on one host, keep the Allreduce: there
-    MPICH's shared-memory Allreduce beats a reduce-scatter and an allgather
-    by more than the casts save (docs/performance.md).
+    ``auto``: 16-bit calls of at least :data:`SCATTER_MIN` units on two ranks
+    or more: the owners divide and cast 1/n of the values instead of all of
+    them after an Allreduce, and the 2-byte Allgather moves 25% fewer bytes
+    than a float32 Allreduce. float32 calls keep the Allreduce: they would
+    save only the division, and on shared memory the pair of collectives was
+    as often slower as faster (docs/performance.md).
     """
     if dtype is None or mode == "allreduce":
         return False
     if mode == "reduce_scatter":
         return True
-    return (size == 2 or (size > 1 and hosts > 1)) and dtype != np.float32 and length >= SCATTER_MIN
+    return size > 1 and dtype != np.float32 and length >= SCATTER_MIN
 
 
 class Scatter(NamedTuple):
@@ -349,7 +348,6 @@ class Scatter(NamedTuple):
     mode: str  # one of REDUCTIONS, equal on every rank
     padded: np.ndarray  # float32, chunk + size units: a call padded to a multiple of ``size``
     shard: np.ndarray  # float32, chunk // size + 1 units: this rank's summed share
-    hosts: int = 1  # hosts the ranks span (agreed in initialize)
 
     @classmethod
     def allocate(cls, rank: int, size: int, mode: str, chunk: int) -> Scatter:
@@ -418,7 +416,7 @@ def steps(calls: Sequence[Call], slots: Sequence[Any], stage: np.ndarray, scatte
     for call in calls:
         if scatter is not None:
             dtype = _dtype(call, slots)
-            if reduce_scatter_for(call.length, dtype, scatter.size, scatter.mode, scatter.hosts):
+            if reduce_scatter_for(call.length, dtype, scatter.size, scatter.mode):
                 out.append(_scatter_step(call, slots, scatter, dtype))
                 continue
         region = direct(call, slots, 4)

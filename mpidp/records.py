@@ -66,8 +66,6 @@ class Setup:
     regions: Regions = ()
     #: how host calls are summed (``MPIDP_REDUCTION``): every rank must choose alike
     reduction: str = "auto"
-    #: this rank's host name (a fact to collect: how many hosts the ranks span)
-    host: str = ""
 
     def encode(self, error: str | None) -> dict[str, Any]:
         """Plain data by field name, with this rank's error (the restricted unpickler admits nothing else)."""

@@ -64,7 +64,7 @@ def same_everywhere(size: int, run: Any) -> str:
 
 def test_setup_record_is_plain_data_by_name() -> None:
     encoded = setup().encode("oops")
-    assert sorted(encoded) == ["chunk_bytes", "contract", "error", "host", "on_host", "reduction", "regions", "root", "runs"]
+    assert sorted(encoded) == ["chunk_bytes", "contract", "error", "on_host", "reduction", "regions", "root", "runs"]
     decoded, error = Setup.decode(loads(pickle.dumps(encoded)))  # through the restricted unpickler
     assert decoded == setup() and error == "oops"
 
@@ -96,7 +96,7 @@ def test_setup_agreement_names_the_first_difference(change: dict[str, Any], mess
 
 
 def test_setup_agreement_passes_equal_records_and_returns_them() -> None:
-    records = [setup(on_host=r != 2, host=f"h{r}") for r in range(3)]  # on_host, runs, host: facts to collect, not to agree on
+    records = [setup(on_host=r != 2) for r in range(3)]  # on_host and runs are facts to collect, not to agree on
     sent = [r.encode(None) for r in records]
     assert agree(Table(1, objects=[sent]), records[1], None, "init") == records
 

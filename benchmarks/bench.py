@@ -246,6 +246,28 @@ def raw_allreduce_divide(buf: np.ndarray, chunk_bytes: int) -> Fn:
     return allreduce_divide(chunk_views(buf, chunk_bytes))
 
 
+def raw_scatter_gather(n: int, chunk_bytes: int, gather_itemsize: int = 4) -> Fn:
+    """The second limit: per chunk, a float32 Reduce_scatter_block, then an in-place Allgather of the shares.
+
+    ``n`` float32 values in chunks of ``chunk_bytes`` (each padded to a
+    multiple of the world size); the Allgather moves ``gather_itemsize``-byte
+    values (2: what mpidp gathers for 16-bit gradients). No division, no cast.
+    """
+    size = COMM.size
+    per = max(1, chunk_bytes // 4)
+    lengths = [-(-min(per, n - s) // size) * size for s in range(0, n, per)]
+    send = np.full(max(lengths), 0, dtype=np.float32)
+    shard = np.empty(max(lengths) // size, dtype=np.float32)
+    gather = np.full(max(lengths) * gather_itemsize, 0, dtype=np.uint8)
+
+    def run() -> None:
+        for length in lengths:
+            COMM.Reduce_scatter_block(send[:length], shard[: length // size], MPI.SUM)
+            COMM.Allgather(MPI.IN_PLACE, gather[: length * gather_itemsize])
+
+    return run
+
+
 def raw_bcast(buf: np.ndarray, chunk_bytes: int) -> Fn:
     views = chunk_views(buf, chunk_bytes)
 
@@ -503,6 +525,13 @@ def bench_set(name: str, args: argparse.Namespace, gloo: Gloo | None) -> dict[st
         record("raw_one_call", "raw Allreduce, one call", "allreduce",
                paired(limit, raw_allreduce(limit_buf, nbytes), reps, warmup, inner))
 
+    if want("raw_scatter"):
+        record("raw_scatter", "raw Reduce_scatter + Allgather", "allreduce",
+               paired(limit, raw_scatter_gather(n, ar["best_chunk_bytes"]), reps, warmup, inner))
+    if want("raw_scatter_half"):
+        record("raw_scatter_half", "raw Reduce_scatter + 16-bit Allgather", "allreduce",
+               paired(limit, raw_scatter_gather(n, ar["best_chunk_bytes"], 2), reps, warmup, inner))
+
     if want("raw_divide"):
         floor_buf = np.full(n, 0, dtype=np.float32)
         record("raw_divide", "raw Allreduce + division (floor)", "allreduce",
@@ -523,15 +552,15 @@ def bench_set(name: str, args: argparse.Namespace, gloo: Gloo | None) -> dict[st
                paired(limit, horovod_fusion(fp32, sync=True), reps, warmup, inner, reset_values(list(fp32.values())),
                       zero_limit))
 
-    # mpidp, for each dtype mix: caller-allocated arrays and gradient_buffers()
+    # mpidp, for each dtype mix and reduction mode: caller-allocated arrays and gradient_buffers()
     for mix in gradsets.MIXES:
-        keys = [k for k in (f"mpidp_{mix}_arrays", f"mpidp_{mix}_buffers") if want(k)]
-        inits = [k for k in ("mpidp_initialize", "mpidp_initialize_flat") if mix == "fp32" and want(k)]
-        if not keys and not inits:
+        suffixes = ["" if m == "auto" else f"_{m}" for m in args.reductions]
+        wanted = [f"mpidp_{mix}_{kind}{x}" for kind in ("arrays", "buffers") for x in suffixes]
+        if not any(map(want, wanted + (["mpidp_initialize", "mpidp_initialize_flat"] if mix == "fp32" else []))):
             continue
         params = fp32 if mix == "fp32" else random_arrays(layout, mix, 2000 + rank)
         params = {k: v.copy() for k, v in params.items()}
-        for key in inits:
+        for key in [k for k in ("mpidp_initialize", "mpidp_initialize_flat") if mix == "fp32" and want(k)]:
             # the caller's separate arrays, or the same values in mpidp.flat_parameters' storage
             laid_out = params if key == "mpidp_initialize" else mpidp.flat_parameters(params)
 
@@ -542,32 +571,12 @@ def bench_set(name: str, args: argparse.Namespace, gloo: Gloo | None) -> dict[st
             label = "mpidp initialize (+close)" if key == "mpidp_initialize" else "mpidp initialize, flat_parameters"
             record(key, label, "bcast", paired(bcast_limit, init, reps, warmup, max(1, min(bc["inner"], inner_for(probe, target)))))
             del laid_out, init
-        if not keys:
-            continue
-        dp = mpidp.DataParallel.initialize(params, COMM, chunk_bytes=args.chunk_bytes)
-        try:
-            if f"mpidp_{mix}_arrays" in keys:
-                grads = empty_arrays(layout, mix)
-                fn = mpidp_reduce(dp, grads)
-                res = paired(limit, fn, reps, warmup, inner, reset_values(list(grads.values())), zero_limit)
-                record(f"mpidp_{mix}_arrays", f"mpidp reduce {mix}, separate arrays", "allreduce", res, memory=memory(fn))
-                del grads, fn
-            if f"mpidp_{mix}_buffers" in keys:
-                bufs = dp.gradient_buffers()
-                fn = mpidp_reduce(dp, bufs)
-                res = paired(limit, fn, reps, warmup, inner, reset_values(list(bufs.values())), zero_limit)
-                record(f"mpidp_{mix}_buffers", f"mpidp reduce {mix}, gradient_buffers", "allreduce", res, memory=memory(fn))
-                if mix != "fp32" and casts() == "torch" and want(f"mpidp_{mix}_buffers_numpy_casts"):
-                    packing.TORCH_CASTS = False  # what a process without torch gets
-                    try:
-                        res = paired(limit, fn, reps, warmup, inner, reset_values(list(bufs.values())), zero_limit)
-                    finally:
-                        packing.TORCH_CASTS = None
-                    record(f"mpidp_{mix}_buffers_numpy_casts", f"mpidp reduce {mix}, buffers, NumPy casts", "allreduce", res)
-                del bufs, fn
-        finally:
-            dp.close()
-        del dp, params
+        for mode in args.reductions:
+            suffix, how = ("", "") if mode == "auto" else (f"_{mode}", f", {mode}")
+            keys = [k for k in (f"mpidp_{mix}_arrays{suffix}", f"mpidp_{mix}_buffers{suffix}") if want(k)]
+            if keys:
+                bench_reduce(params, layout, mix, suffix, how, mode, keys, limit, zero_limit, record, want, args, inner)
+        del params
         gc.collect()
 
     if gloo is not None:
@@ -580,6 +589,46 @@ def bench_set(name: str, args: argparse.Namespace, gloo: Gloo | None) -> dict[st
     del fp32
     gc.collect()
     return out
+
+
+def bench_reduce(
+    params: dict[str, np.ndarray], layout: list[tuple[str, tuple[int, ...]]], mix: str, suffix: str, how: str, mode: str,
+    keys: list[str], limit: Fn, zero_limit: Fn, record: Callable[..., None], want: Callable[[str], bool],
+    args: argparse.Namespace, inner: int,
+) -> None:
+    """mpidp reduce of one mix under one ``MPIDP_REDUCTION`` mode: caller arrays, gradient_buffers, NumPy casts; collective."""
+    reps, warmup = args.reps, args.warmup
+    before = os.environ.get("MPIDP_REDUCTION")
+    os.environ["MPIDP_REDUCTION"] = mode  # read by initialize, alike on every rank
+    try:
+        dp = mpidp.DataParallel.initialize(params, COMM, chunk_bytes=args.chunk_bytes)
+    finally:
+        if before is None:
+            del os.environ["MPIDP_REDUCTION"]
+        else:
+            os.environ["MPIDP_REDUCTION"] = before
+    try:
+        for kind in ("arrays", "buffers"):
+            key = f"mpidp_{mix}_{kind}{suffix}"
+            if key not in keys:
+                continue
+            grads = empty_arrays(layout, mix) if kind == "arrays" else dp.gradient_buffers()
+            fn = mpidp_reduce(dp, grads)
+            reset = reset_values(list(grads.values()))
+            label = f"mpidp reduce {mix}, {'separate arrays' if kind == 'arrays' else 'gradient_buffers'}{how}"
+            record(key, label, "allreduce", paired(limit, fn, reps, warmup, inner, reset, zero_limit), memory=memory(fn))
+            numpy_key = f"mpidp_{mix}_{kind}_numpy_casts{suffix}"
+            if mix != "fp32" and casts() == "torch" and want(numpy_key):
+                packing.TORCH_CASTS = False  # what a process without torch gets
+                try:
+                    res = paired(limit, fn, reps, warmup, inner, reset, zero_limit)
+                finally:
+                    packing.TORCH_CASTS = None
+                short = "arrays" if kind == "arrays" else "buffers"
+                record(numpy_key, f"mpidp reduce {mix}, {short}, NumPy casts{how}", "allreduce", res)
+            del grads, fn, reset
+    finally:
+        dp.close()
 
 
 def bench_chunks(name: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -624,6 +673,9 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--target-seconds", type=float, default=None,
                    help="repeat calls inside one timing until it lasts this long (default 0.05, quick 0.005)")
     p.add_argument("--chunk-bytes", type=int, default=DEFAULT_CHUNK_BYTES, help="mpidp's chunk_bytes")
+    p.add_argument("--reductions", default="auto",
+                   help="comma-separated MPIDP_REDUCTION modes to time mpidp's reduce under (default auto; "
+                        "other modes' rows get the mode as a suffix)")
     p.add_argument("--chunks", action="store_true",
                    help="run only the chunk_bytes sweep (mpidp reduce for chunk_bytes 1-64 MiB) into chunks-np<N>.json; "
                         "--quick runs both")
@@ -638,6 +690,10 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     for s in a.sets:
         gradsets.shapes(s, a.quick)
     a.variants = None if a.variants is None else set(a.variants.split(","))
+    a.reductions = [m for m in a.reductions.split(",") if m]
+    for m in a.reductions:
+        if m not in packing.REDUCTIONS:
+            p.error(f"--reductions: {m!r} is not one of {', '.join(packing.REDUCTIONS)}")
     a.reps = a.reps or (3 if a.quick else 7)
     a.chunks_reps = a.chunks_reps or 3
     a.rounds = a.rounds or (1 if a.quick else 5)
@@ -700,6 +756,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "reps": args.reps,
             "warmup": args.warmup,
             "chunk_bytes": args.chunk_bytes,
+            "reductions": args.reductions,
             "torch": gloo is not None,
             "casts": casts(),
             "machine": machine(),

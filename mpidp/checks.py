@@ -8,12 +8,13 @@ in the initialize record, raised alike on every rank, never a raise on one.
 from __future__ import annotations
 
 import numbers
+import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
-from . import contract, cuda, layout
+from . import contract, cuda, layout, packing
 from .records import Setup
 
 if TYPE_CHECKING:
@@ -43,6 +44,7 @@ class Found(NamedTuple):
     aware: tuple[bool, str]
     stage: Any
     gpu: cuda.Device | None
+    scatter: packing.Scatter | None = None  # host reduce-scatter buffers, where the agreed mode may use them
 
 
 def setup(
@@ -72,17 +74,35 @@ def setup(
         error = error or f"chunk_bytes must be an integer of at least 4096, got {chunk_bytes!r}"
         chunk_bytes = 0
     chunk = int(chunk_bytes) // 4 * 4
+    reduction, why = reduction_mode()
+    error = error or why
     stage: Any = None
     gpu: cuda.Device | None = None
+    scatter: packing.Scatter | None = None
     if error is None:  # before the ranks agree: a rank that cannot allocate them is an error on every rank
         try:
             stage, gpu = chunk_buffers(found.device, chunk, aware[0])
+            if gpu is None and (reduction == "reduce_scatter" or (reduction == "auto" and c.size > 1)):
+                scatter = packing.Scatter.allocate(c.rank, c.size, reduction, chunk // 4)
         except Exception as e:  # noqa: BLE001 - reported to every rank, never raised alone
             error = f"could not allocate the chunk buffers (chunk_bytes={chunk_bytes}, {found.device}): {type(e).__name__}: {e}"
     heads = [a for i, (e, a) in enumerate(zip(found.contract, found.arrays)) if e.alias == i]
     runs = layout.runs(heads, found.device) if error is None else None
-    setup = Setup(found.contract, int(root), chunk, on_host(found), runs, regions.entries)
-    return Found(setup, error, found, aware, stage, gpu)
+    setup = Setup(found.contract, int(root), chunk, on_host(found), runs, regions.entries, reduction)
+    return Found(setup, error, found, aware, stage, gpu, scatter)
+
+
+def reduction_mode() -> tuple[str, str | None]:
+    """This rank's ``MPIDP_REDUCTION`` (default ``auto``), and why it is invalid, or None (local).
+
+    The value is part of the initialize record: ranks that read different
+    values get the same ContractError, never different collectives.
+    """
+    raw = os.environ.get("MPIDP_REDUCTION", "auto")
+    mode = raw.strip().lower() or "auto"
+    if mode in packing.REDUCTIONS:
+        return mode, None
+    return "auto", f"MPIDP_REDUCTION must be one of {', '.join(packing.REDUCTIONS)}, got {raw!r}"
 
 
 def chunk_buffers(device: str, chunk_bytes: int, cuda_aware: bool) -> tuple[Any, cuda.Device | None]:

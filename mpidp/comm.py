@@ -1,4 +1,4 @@
-"""The only module that calls MPI on the host: pickled records, small fixed buffers, Bcast, Allreduce.
+"""The only module that calls MPI on the host: pickled records, small fixed buffers, Bcast, Allreduce, reduce-scatter.
 
 Lowercase methods move pickled objects; capitalised ones move buffers.
 Every method of :class:`Communicator` is collective: every rank of the
@@ -119,6 +119,26 @@ class Communicator:
         self._enter(operation)
         try:
             self.comm.Bcast(buf, root)
+        except MPI.Exception as e:
+            raise self._fail(operation, e) from e
+        finally:
+            self.operation = None
+
+    def Reduce_scatter_block(self, send: np.ndarray, recv: np.ndarray, operation: str = "Reduce_scatter_block") -> None:
+        """Sum float32 host ``send`` (``size`` equal shares) over all ranks; this rank's share lands in ``recv``."""
+        self._enter(operation)
+        try:
+            self.comm.Reduce_scatter_block(send, recv, MPI.SUM)
+        except MPI.Exception as e:
+            raise self._fail(operation, e) from e
+        finally:
+            self.operation = None
+
+    def Allgather_in_place(self, buf: np.ndarray, operation: str = "Allgather") -> None:
+        """Give every rank every rank's share of host byte buffer ``buf`` (``size`` equal shares, rank order)."""
+        self._enter(operation)
+        try:
+            self.comm.Allgather(MPI.IN_PLACE, buf)
         except MPI.Exception as e:
             raise self._fail(operation, e) from e
         finally:

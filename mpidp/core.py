@@ -96,7 +96,7 @@ class DataParallel:
         self._root = local.setup.root
         self._chunk_bytes = local.setup.chunk_bytes
         self._watchdog = watchdog
-        self._transport = Transport(comm, local.stage, local.gpu)
+        self._transport = Transport(comm, local.stage, local.gpu, local.scatter)
         #: (name, array, signature) per entry: what _check_replica compares every window
         self._replica = tuple(zip((e.name for e in found.contract), found.arrays, map(arrays.signature, found.arrays)))
         #: contract indices of every tie-group head (frozen ones included): what is broadcast and verified
@@ -278,11 +278,11 @@ class DataParallel:
         agreed = self.agree_window(grads, local_weight, policy, step=step)
         given, weight, global_weight, key = agreed.given, agreed.weight, agreed.global_weight, agreed.key
         operation = f"reduce (window {self._window})"
-        entry = self._cache.plan(key, self._slots.sizes, len(self._transport.stage))
+        entry = self._cache.plan(key, self._slots.sizes, len(self._transport.stage), self._slots.kinds)
         try:
             # device work (zeros, contiguous copies, casts, streams and events) runs on the session's device
             with self._on_device():
-                out = reduce_slots(self._transport, self._cache, entry, self._slots.groups, given, weight, global_weight, f"{operation}: Allreduce")
+                out = reduce_slots(self._transport, self._cache, entry, self._slots.groups, given, weight, global_weight, operation)
         except CollectiveError as e:
             self._failed = str(e)
             self._cache.forget()  # a broken session holds no gradient arrays

@@ -124,7 +124,8 @@ class FlatGradients:
     """
 
     def __init__(self, likes: Sequence[Any], infos: Sequence[arrays.ArrayInfo], sizes: Sequence[int], chunk: int) -> None:
-        order = [seg.slot for call in plan(sizes, [True] * len(sizes), chunk) for seg in call.segments]
+        kinds = [info.dtype for info in infos]
+        order = [seg.slot for call in plan(sizes, [True] * len(sizes), chunk, kinds=kinds) for seg in call.segments]
         offsets: dict[int, tuple[str, int]] = {}
         totals: dict[str, int] = {}
         first: dict[str, Any] = {}

@@ -20,8 +20,9 @@ import numpy as np
 from . import arrays
 
 __all__ = [
-    "BCAST_OWN_BYTES", "BCAST_SPLIT_BYTES", "DEFAULT_CHUNK_BYTES", "TORCH_CASTS", "Call", "Segment", "Slot", "Step",
-    "bcast_calls", "direct", "plan", "reduce_calls", "run_steps", "slot", "steps", "write_back",
+    "BCAST_OWN_BYTES", "BCAST_SPLIT_BYTES", "DEFAULT_CHUNK_BYTES", "REDUCTIONS", "SCATTER_MIN", "TORCH_CASTS", "Call", "Moves",
+    "Scatter", "Segment", "Slot", "Step", "bcast_calls", "direct", "plan", "reduce_calls", "reduce_scatter_for", "run_steps",
+    "slot", "steps", "write_back",
 ]
 
 #: Default chunk size in bytes. Measured with the chunk sweeps of
@@ -58,7 +59,12 @@ class Call(NamedTuple):
 
 
 def plan(
-    sizes: Sequence[int], present: Sequence[bool], chunk: int, split: int | None = None, large: int | None = None
+    sizes: Sequence[int],
+    present: Sequence[bool],
+    chunk: int,
+    split: int | None = None,
+    large: int | None = None,
+    kinds: Sequence[Any] | None = None,
 ) -> tuple[Call, ...]:
     """Split present slots into calls of at most ``chunk`` units.
 
@@ -66,13 +72,15 @@ def plan(
     its own (so a large contiguous array is reduced in place without
     packing), of at most ``split`` units (default ``chunk``); smaller slots
     are packed together, in slot order, into calls of at most ``chunk`` units.
+    With ``kinds`` (one per slot, e.g. the dtypes), only slots of the same
+    kind share a call, so that a call can be gathered in its own dtype.
     """
     chunk = max(1, chunk)
     large = max(1, min(chunk, large) if large is not None else chunk // 4)
     step = max(chunk, split or chunk)
     calls: list[Call] = []
-    pending: list[Segment] = []
-    filled = 0
+    pending: dict[Any, list[Segment]] = {}  # kind -> the segments of its open call
+    filled: dict[Any, int] = {}
     for index, (size, here) in enumerate(zip(sizes, present)):
         if not here or size == 0:
             continue
@@ -81,13 +89,14 @@ def plan(
                 n = min(step, size - start)
                 calls.append(Call(n, (Segment(index, start, 0, n),)))
             continue
-        if filled + size > chunk:
-            calls.append(Call(filled, tuple(pending)))
-            pending, filled = [], 0
-        pending.append(Segment(index, 0, filled, size))
-        filled += size
-    if pending:
-        calls.append(Call(filled, tuple(pending)))
+        kind = None if kinds is None else kinds[index]
+        at = filled.get(kind, 0)
+        if at + size > chunk:
+            calls.append(Call(at, tuple(pending.pop(kind))))
+            at = 0
+        pending.setdefault(kind, []).append(Segment(index, 0, at, size))
+        filled[kind] = at + size
+    calls.extend(Call(filled[kind], tuple(segments)) for kind, segments in pending.items())
     return tuple(calls)
 
 
@@ -112,20 +121,24 @@ def slot(v: Any) -> Slot:
     return Slot(flat, address, flat.itemsize, flat.dtype == np.float32 and aligned, original)
 
 
-def direct(call: Call, slots: Sequence[Any], itemsize: int) -> np.ndarray | None:
-    """Return the contiguous region holding the whole call, or None if it must be staged."""
+def direct(call: Call, slots: Sequence[Any], itemsize: int, dtype: Any = None) -> np.ndarray | None:
+    """Return the contiguous region holding the whole call, or None if it must be staged.
+
+    Units are bytes (``itemsize`` 1), float32 values (4), or values of ``dtype``.
+    """
     first = call.segments[0]
     s = slots[first.slot]
+    dtype = np.dtype(np.uint8 if itemsize == 1 else np.float32) if dtype is None else np.dtype(dtype)
     if len(call.segments) == 1:
         if itemsize == 1:
             return s.flat.view(np.uint8)[first.src : first.src + first.length]
-        return s.flat[first.src : first.src + first.length] if s.float32 else None
+        return s.flat[first.src : first.src + first.length] if s.flat.dtype == dtype else None
     end = s.address + first.src * itemsize
     start = end
     host = isinstance(s.flat, np.ndarray)
     for seg in call.segments:
         t = slots[seg.slot]
-        if itemsize != 1 and not t.float32:
+        if itemsize != 1 and t.flat.dtype != dtype:
             return None
         if t.original is not None or t.address + seg.src * itemsize != end:
             return None
@@ -134,7 +147,6 @@ def direct(call: Call, slots: Sequence[Any], itemsize: int) -> np.ndarray | None
         if not host and t.flat.data.mem is not s.flat.data.mem:
             return None
         end += seg.length * itemsize
-    dtype = np.uint8 if itemsize == 1 else np.float32
     if host:
         return arrays.host_region(start, end - start, dtype)
     import cupy
@@ -172,6 +184,39 @@ def _bf16_to_f32(src: np.ndarray, dst: np.ndarray) -> None:
         d = d32[lo : lo + _BLOCK]
         np.copyto(d, s16[lo : lo + _BLOCK])
         np.left_shift(d, 16, out=d)
+
+
+#: Elements per sub-block of the float16 upcast (measured best of 2**12 to 2**16 on the development machine).
+_BLOCK16 = 1 << 14
+#: float16 magnitude bits moved to float32's place, from exponent 31 (infinity, NaN) up
+_F16_SPECIAL = np.uint32(0x1F << 23)
+
+
+def _f16_to_f32(src: np.ndarray, dst: np.ndarray) -> None:
+    """Upcast float16 ``src`` into float32 ``dst`` exactly, bitwise as NumPy casts it (NaN payloads too).
+
+    The magnitude bits moved into float32's place are a float32 of the same
+    mantissa with the exponent 112 lower (a float16 subnormal a float32 one),
+    so one multiplication by 2**112 (exact) rebiases every finite value;
+    infinity and NaN get float32's all-ones exponent instead; then the sign.
+    About twice as fast as NumPy's scalar cast loop.
+    """
+    s16, d32 = src.view(np.uint16), dst.view(np.uint32)
+    sign = np.empty(min(_BLOCK16, s16.size), np.uint32)
+    for lo in range(0, s16.size, _BLOCK16):
+        d = d32[lo : lo + _BLOCK16]
+        t = sign[: d.size]
+        np.copyto(d, s16[lo : lo + _BLOCK16])
+        np.left_shift(d, 16, out=d)
+        np.bitwise_and(d, np.uint32(0x80000000), out=t)
+        np.bitwise_and(d, np.uint32(0x7FFF0000), out=d)
+        np.right_shift(d, 3, out=d)
+        special = d >= _F16_SPECIAL if d.max() >= _F16_SPECIAL else None
+        f = d.view(np.float32)
+        np.multiply(f, np.float32(2.0**112), out=f)
+        if special is not None:
+            np.bitwise_or(d, np.uint32(0x7F800000), out=d, where=special)
+        np.bitwise_or(d, t, out=d)
 
 
 def _f32_to_bf16(src: np.ndarray, dst: np.ndarray, scratch: np.ndarray) -> None:
@@ -232,6 +277,8 @@ def _pack(dst: np.ndarray, src: np.ndarray) -> None:
             return
     if src.dtype == arrays.BFLOAT16 and src.size >= _FAST_BF16:
         _bf16_to_f32(src, dst)
+    elif src.dtype == np.float16 and src.size >= _FAST_BF16:
+        _f16_to_f32(src, dst)
     else:
         dst[...] = src
 
@@ -269,26 +316,110 @@ def _unpack(dst: np.ndarray, src: np.ndarray, op: Callable[..., Any], operand: n
     dst[...] = src
 
 
+#: Values of ``MPIDP_REDUCTION``: how a host call is summed (agreed in ``initialize``).
+REDUCTIONS = ("auto", "allreduce", "reduce_scatter")
+#: ``auto`` reduce-scatters 16-bit calls of at least this many units (shorter calls: one Allreduce
+#: costs less than two collectives).
+SCATTER_MIN = 1 << 15
+
+
+def reduce_scatter_for(length: int, dtype: Any, size: int, mode: str) -> bool:
+    """Whether a call of ``length`` units of one ``dtype`` (None: mixed) is reduce-scattered (pure; agreed facts only).
+
+    ``allreduce``: never. ``reduce_scatter``: every call of one dtype.
+    ``auto``: 16-bit calls of at least :data:`SCATTER_MIN` units on two ranks
+    or more: the owners divide and cast 1/n of the values instead of all of
+    them after an Allreduce, and the 2-byte Allgather moves 25% fewer bytes
+    than a float32 Allreduce. float32 calls keep the Allreduce: they would
+    save only the division, and on shared memory the pair of collectives was
+    as often slower as faster (docs/performance.md).
+    """
+    if dtype is None or mode == "allreduce":
+        return False
+    if mode == "reduce_scatter":
+        return True
+    return size > 1 and dtype != np.float32 and length >= SCATTER_MIN
+
+
+class Scatter(NamedTuple):
+    """What the reduce-scatter steps of one rank need: its place, the agreed mode, its buffers."""
+
+    rank: int
+    size: int
+    mode: str  # one of REDUCTIONS, equal on every rank
+    padded: np.ndarray  # float32, chunk + size units: a call padded to a multiple of ``size``
+    shard: np.ndarray  # float32, chunk // size + 1 units: this rank's summed share
+
+    @classmethod
+    def allocate(cls, rank: int, size: int, mode: str, chunk: int) -> Scatter:
+        """Buffers for calls of at most ``chunk`` units (local; may raise MemoryError)."""
+        return cls(rank, size, mode, np.empty(chunk + size, np.float32), np.empty(chunk // size + 1, np.float32))
+
+
 class Step(NamedTuple):
-    """One host Allreduce of a window, its views cut in advance.
+    """One host call of a window, its views cut in advance.
 
     A direct ``buf`` spanning several slots is built from their address and
     holds no reference to them: whoever keeps steps must keep the slots'
     arrays alive as long (``DataParallel`` keeps them in its kept result).
+    A step with a ``gather`` is reduce-scattered: ``buf`` (float32, padded to
+    a multiple of the world size) is summed into ``shard``, this rank divides
+    and casts its shard into ``mine`` (its share of ``gather``, in the
+    gradient's dtype) and every rank's share is gathered into ``gather``.
     """
 
-    buf: np.ndarray  # what is summed in place: a region of the slots (direct) or of the stage
+    buf: np.ndarray  # what is summed: a region of the slots (direct) or of the stage
     pieces: tuple[tuple[np.ndarray, np.ndarray], ...]  # (stage piece, slot piece) per segment; () when direct
+    gather: np.ndarray | None = None  # reduce-scatter: the finished values of every rank, in the gradient's dtype
+    mine: np.ndarray | None = None  # this rank's share of ``gather``
+    shard: np.ndarray | None = None  # float32: this rank's summed share
+    back: tuple[tuple[np.ndarray, np.ndarray], ...] = ()  # (gather piece, slot piece) copied after the gather
+    pad: int = 0  # units at the end of ``buf`` zeroed before the reduce-scatter
 
 
-def steps(calls: Sequence[Call], slots: Sequence[Any], stage: np.ndarray) -> tuple[Step, ...]:
+def _dtype(call: Call, slots: Sequence[Any]) -> Any:
+    """The one dtype of every segment of ``call``, or None when they mix dtypes."""
+    dtype = slots[call.segments[0].slot].flat.dtype
+    return dtype if all(slots[seg.slot].flat.dtype == dtype for seg in call.segments) else None
+
+
+def _scatter_step(call: Call, slots: Sequence[Any], scatter: Scatter, dtype: Any) -> Step:
+    """The views of one reduce-scattered call (no data is touched)."""
+    size = scatter.size
+    share = -(-call.length // size)
+    padded = share * size
+    pad = padded - call.length
+    if dtype == np.float32 and not pad:
+        region = direct(call, slots, 4)
+        if region is not None:  # summed from and gathered into the slots' own memory
+            return Step(region, (), region, region[scatter.rank * share : (scatter.rank + 1) * share], scatter.shard[:share])
+    buf = scatter.padded[:padded]
+    pieces = tuple(
+        (buf[seg.dst : seg.dst + seg.length], slots[seg.slot].flat[seg.src : seg.src + seg.length]) for seg in call.segments
+    )
+    gather = None if pad else direct(call, slots, dtype.itemsize, dtype)
+    back: tuple[tuple[np.ndarray, np.ndarray], ...] = ()
+    if gather is None:  # gathered in the stage (free once summed), then copied into the slots
+        gather = scatter.padded.view(np.uint8)[: padded * dtype.itemsize].view(dtype)
+        back = tuple((gather[dst : dst + n], src) for (_, src), (_, _, dst, n) in zip(pieces, call.segments))
+    mine = gather[scatter.rank * share : (scatter.rank + 1) * share]
+    return Step(buf, pieces, gather, mine, scatter.shard[:share], back, pad)
+
+
+def steps(calls: Sequence[Call], slots: Sequence[Any], stage: np.ndarray, scatter: Scatter | None = None) -> tuple[Step, ...]:
     """Cut the views the host loop of ``calls`` works on (no data is touched).
 
-    The steps stay valid as long as the slots' memory and the stage do: a
-    caller can keep them and run them again on the same arrays.
+    With ``scatter``, the calls :func:`reduce_scatter_for` picks are
+    reduce-scattered. The steps stay valid as long as the slots' memory and
+    the buffers do: a caller can keep them and run them again on the same arrays.
     """
     out: list[Step] = []
     for call in calls:
+        if scatter is not None:
+            dtype = _dtype(call, slots)
+            if reduce_scatter_for(call.length, dtype, scatter.size, scatter.mode):
+                out.append(_scatter_step(call, slots, scatter, dtype))
+                continue
         region = direct(call, slots, 4)
         if region is not None:
             out.append(Step(region, ()))
@@ -301,20 +432,39 @@ def steps(calls: Sequence[Call], slots: Sequence[Any], stage: np.ndarray) -> tup
     return tuple(out)
 
 
-def run_steps(work: Sequence[Step], allreduce: Callable[[np.ndarray], None], scale: float) -> None:
+class Moves(NamedTuple):
+    """How the host loop reaches the other ranks (collectives, each called by every rank alike)."""
+
+    allreduce: Callable[[np.ndarray], None]  # sum a float32 buffer in place
+    reduce_scatter: Callable[[np.ndarray, np.ndarray], None] | None = None  # sum float32 ``send``, keep this rank's share
+    allgather: Callable[[np.ndarray], None] | None = None  # every rank's equal share of a byte buffer, in place
+
+
+def run_steps(work: Sequence[Step], moves: Moves | Callable[[np.ndarray], None], scale: float) -> None:
     """Sum each step over all ranks and divide by ``float32(scale)``: the host loop of :func:`reduce_calls`."""
+    if not isinstance(moves, Moves):
+        moves = Moves(moves)
+    allreduce, reduce_scatter, allgather = moves
     op, operand = _scaler(scale)
     scratch: list[np.ndarray] = []
-    for buf, pieces in work:
-        if not pieces:
-            allreduce(buf)
-            op(buf, operand, out=buf)
-            continue
+    for buf, pieces, gather, mine, shard, back, pad in work:
         for piece, src in pieces:
             _pack(piece, src)
-        allreduce(buf)
-        for piece, dst in pieces:
-            _unpack(dst, piece, op, operand, scratch)
+        if gather is None:
+            allreduce(buf)
+            if not pieces:
+                op(buf, operand, out=buf)
+            for piece, dst in pieces:
+                _unpack(dst, piece, op, operand, scratch)
+            continue
+        if pad:
+            buf[buf.size - pad :] = 0
+        assert reduce_scatter is not None and allgather is not None and mine is not None and shard is not None
+        reduce_scatter(buf, shard)
+        _unpack(mine, shard, op, operand, scratch)  # the owner divides its share and casts it, once
+        allgather(gather.view(np.uint8))
+        for piece, dst in back:
+            np.copyto(dst, piece)
 
 
 def write_back(slots: Sequence[Any]) -> None:
@@ -328,17 +478,19 @@ def reduce_calls(
     calls: Sequence[Call],
     slots: Sequence[Any],  # a Slot for every slot a call names; others may be None
     stage: np.ndarray,
-    allreduce: Callable[[np.ndarray], None],
+    moves: Moves | Callable[[np.ndarray], None],
     scale: float,
+    scatter: Scatter | None = None,
 ) -> None:
     """Sum every call over all ranks, divide by ``float32(scale)`` and leave the result in the slots (host arrays).
 
     Results are bitwise those of upcasting to float32, summing, dividing by
-    ``scale`` in float32 and casting back with NumPy / ml_dtypes. Extra host
-    memory: at most one sub-block of scratch (256 KiB) beside ``stage``.
-    Device arrays go through :func:`mpidp.cuda.reduce_calls`.
+    ``scale`` in float32 and casting back with NumPy / ml_dtypes, and equal
+    on every rank (a reduce-scattered value is computed by one rank). Extra
+    host memory: at most one sub-block of scratch (256 KiB) beside ``stage``
+    and ``scatter``'s buffers. Device arrays go through :func:`mpidp.cuda.reduce_calls`.
     """
-    run_steps(steps(calls, slots, stage), allreduce, scale)
+    run_steps(steps(calls, slots, stage, scatter), moves, scale)
     write_back(slots)
 
 

@@ -67,6 +67,8 @@ class Setup:
     runs: tuple[tuple[int, ...], ...] | None
     #: named byte regions moved with the parameters (the torch adapter's buffers)
     regions: Regions = ()
+    #: how host calls are summed (``MPIDP_REDUCTION``): every rank must choose alike
+    reduction: str = "auto"
 
     def encode(self, error: str | None) -> dict[str, Any]:
         """Plain data by field name, with this rank's error (the restricted unpickler admits nothing else)."""
@@ -99,6 +101,8 @@ class Setup:
                 return f"rank {rank} broadcasts from root {r.root}, rank 0 from root {head.root}"
             if r.chunk_bytes != head.chunk_bytes:
                 return f"rank {rank} uses chunk_bytes={r.chunk_bytes}, rank 0 chunk_bytes={head.chunk_bytes}"
+            if r.reduction != head.reduction:
+                return f"rank {rank} uses MPIDP_REDUCTION={r.reduction!r}, rank 0 MPIDP_REDUCTION={head.reduction!r}"
         return None
 
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 
 from . import arrays, layout
-from .packing import Call, Slot, Step, plan, reduce_calls, run_steps, slot, steps
+from .packing import Call, Moves, Scatter, Slot, Step, plan, reduce_calls, run_steps, slot, steps
 
 if TYPE_CHECKING:
     from .comm import Communicator
@@ -49,6 +49,8 @@ class Slots:
         self.of = {e.name: of_head[e.alias] for e in entries if e.trainable}
         self.frozen = frozenset(e.name for e in entries if not e.trainable)
         self.sizes = tuple(g.info.size for g in self.groups)
+        #: the slots' dtypes: only slots of one dtype share a call (which may then be gathered in it)
+        self.kinds = tuple(g.info.dtype for g in self.groups)
         #: presence words of a window record
         self.words = (len(self.groups) + 63) // 64
         #: the presence words of a rank that has every gradient (the usual window)
@@ -77,11 +79,12 @@ class Given(NamedTuple):
 
 
 class Transport(NamedTuple):
-    """How a session's chunks reach MPI: its communicator, its float32 stage, its device (None: host)."""
+    """How a session's chunks reach MPI: its communicator, its float32 stage, its device (None: host), its reduce-scatter."""
 
     comm: Communicator
     stage: Any
     gpu: Device | None
+    scatter: Scatter | None = None  # host reduce-scatter buffers and the agreed mode; None: Allreduce only
 
 
 class Cache:
@@ -110,12 +113,12 @@ class Cache:
         """Hold no gradient array any more (a window that failed, a closed session)."""
         self.accepted, self.program, self.again = {}, None, False
 
-    def plan(self, key: tuple[int, ...], sizes: Sequence[int], chunk: int) -> Plan:
-        """The plan of presence words ``key`` (agreed), from the LRU or made now."""
+    def plan(self, key: tuple[int, ...], sizes: Sequence[int], chunk: int, kinds: Sequence[Any] | None = None) -> Plan:
+        """The plan of presence words ``key`` (agreed), from the LRU or made now; ``kinds``: the slots' dtypes."""
         entry = self.plans.pop(key, None)
         if entry is None:
             present = np.unpackbits(np.array(key, dtype=np.uint64).view(np.uint8), count=len(sizes)).astype(bool).tolist()
-            entry = (plan(sizes, present, chunk), [i for i, here in enumerate(present) if here])
+            entry = (plan(sizes, present, chunk, kinds=kinds), [i for i, here in enumerate(present) if here])
         self.plans[key] = entry
         if len(self.plans) > PLANS:
             del self.plans[next(iter(self.plans))]
@@ -215,16 +218,13 @@ def reduce_slots(
     arrays, by head name, where this rank had none).
     """
     comm = transport.comm
-
-    def allreduce(b: Any) -> None:
-        comm.Allreduce(b, operation)
-
+    moves = _moves(comm, operation)
     program = cache.program
     if program is not None and cache.again and weight > 0 and program[0] is entry and program[1] == cache.serial:
         # the same arrays as the window that cut these steps, unchanged (same objects, same
         # fingerprints: same memory) and all present; a weighted rank with every gradient makes
         # every slot globally present, so the plan is the same too (checked all the same: cheap)
-        run_steps(program[2], allreduce, global_weight)
+        run_steps(program[2], moves, global_weight)
         return dict(program[3])
     cache.program = None
     calls, indices = entry
@@ -241,13 +241,23 @@ def reduce_slots(
             x.view[...] = 0
         slots[index] = x.prepared if x.prepared is not None else slot(x.view)
         out[x.name] = x.array
-    if transport.gpu is not None:
-        transport.gpu.reduce_calls(comm, calls, slots, global_weight, operation)
+    if transport.gpu is not None:  # device arrays keep the Allreduce (mpidp.cuda)
+        transport.gpu.reduce_calls(comm, calls, slots, global_weight, f"{operation}: Allreduce")
     elif cache.again and weight > 0 and all(x is not None for x in given) and all(s.original is None for s in slots if s is not None):
         # the second window in a row on the same arrays: keep the cut views for the next one
-        work = steps(calls, slots, transport.stage)
+        work = steps(calls, slots, transport.stage, transport.scatter)
         cache.program = (entry, cache.serial, work, dict(out))
-        run_steps(work, allreduce, global_weight)
+        run_steps(work, moves, global_weight)
     else:
-        reduce_calls(calls, slots, transport.stage, allreduce, global_weight)
+        reduce_calls(calls, slots, transport.stage, moves, global_weight, transport.scatter)
     return out
+
+
+def _moves(comm: Communicator, operation: str) -> Moves:
+    """The host collectives of a window, named after ``operation`` for errors and the watchdog."""
+    summed, scattered, gathered = f"{operation}: Allreduce", f"{operation}: Reduce_scatter_block", f"{operation}: Allgather"
+    return Moves(
+        lambda b: comm.Allreduce(b, summed),
+        lambda send, recv: comm.Reduce_scatter_block(send, recv, scattered),
+        lambda b: comm.Allgather_in_place(b, gathered),
+    )

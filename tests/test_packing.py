@@ -160,3 +160,42 @@ def test_nan_stays_nan_through_the_fast_casts(monkeypatch: pytest.MonkeyPatch, c
         keep = np.ones(a.size, bool)
         keep[[0, 77, 199_999]] = False
         assert (a[keep] == (np.float32(2) / np.float32(3)).astype(dtype)).all()
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_the_16_bit_upcasts_are_bitwise_numpys_for_every_pattern(dtype: str) -> None:
+    """All 2**16 patterns (subnormals, infinities, NaN with payloads): the bit upcasts equal NumPy / ml_dtypes."""
+    from mpidp import packing
+
+    d = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(np.float16)
+    every = np.arange(1 << 16, dtype=np.uint16).view(d)
+    got = np.full(every.size, 7, np.float32)
+    (packing._bf16_to_f32 if dtype == "bfloat16" else packing._f16_to_f32)(every, got)
+    want = every.astype(np.float32)
+    assert got.view(np.uint32).tobytes() == want.view(np.uint32).tobytes()
+
+
+def test_the_bfloat16_downcast_is_bitwise_ml_dtypes_on_edge_and_random_floats() -> None:
+    """Round to nearest even on the bits: ties, subnormals, overflow to infinity; NaN stays NaN."""
+    from mpidp import packing
+
+    rng = np.random.default_rng(11)
+    bits = np.concatenate([
+        rng.integers(0, 1 << 32, 1 << 20, dtype=np.uint64).astype(np.uint32),  # every kind of float32
+        (np.arange(1 << 16, dtype=np.uint32) << 16) | 0x8000,  # every tie
+        (np.arange(1 << 16, dtype=np.uint32) << 16) | 0x7FFF,
+        np.array([0x7F7FFFFF, 0xFF7FFFFF, 0x7F7F8000, 0x00000001, 0x80000001, 0x007FFFFF, 0x7F800000], np.uint32),
+    ])
+    x = bits.view(np.float32)
+    nan = np.isnan(x)
+    with np.errstate(all="ignore"):
+        want = x.astype(ml_dtypes.bfloat16)
+    got = np.empty(x.size, ml_dtypes.bfloat16)
+    finite = x[~nan]
+    out = np.empty(finite.size, ml_dtypes.bfloat16)
+    packing._f32_to_bf16(finite, out, np.empty(1 << 16, np.uint32))
+    assert out.view(np.uint16).tobytes() == want[~nan].view(np.uint16).tobytes()
+    with np.errstate(invalid="ignore"):
+        packing._f32_to_bf16(x, got, np.empty(1 << 16, np.uint32))  # a segment with NaN: ml_dtypes' cast
+    assert np.isnan(got[nan].astype(np.float32)).all()
+    assert got[~nan].view(np.uint16).tobytes() == want[~nan].view(np.uint16).tobytes()

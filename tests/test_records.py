@@ -64,7 +64,7 @@ def same_everywhere(size: int, run: Any) -> str:
 
 def test_setup_record_is_plain_data_by_name() -> None:
     encoded = setup().encode("oops")
-    assert sorted(encoded) == ["chunk_bytes", "contract", "error", "on_host", "regions", "root", "runs"]
+    assert sorted(encoded) == ["chunk_bytes", "contract", "error", "on_host", "reduction", "regions", "root", "runs"]
     decoded, error = Setup.decode(loads(pickle.dumps(encoded)))  # through the restricted unpickler
     assert decoded == setup() and error == "oops"
 
@@ -84,6 +84,7 @@ def test_setup_agreement_names_the_first_rank_with_an_error() -> None:
     [
         ({"root": 1}, "rank 3 broadcasts from root 1, rank 0 from root 0"),
         ({"chunk_bytes": 8192}, "rank 3 uses chunk_bytes=8192, rank 0 chunk_bytes=4096"),
+        ({"reduction": "allreduce"}, "rank 3 uses MPIDP_REDUCTION='allreduce', rank 0 MPIDP_REDUCTION='auto'"),
         ({"contract": CONTRACT[:2]}, "rank 3 differs from rank 0: 2 parameters, expected 3 (missing 'c')"),
         ({"regions": BUFFERS[:1]}, "rank 3 differs from rank 0: 1 buffers, rank 0 has 2 (missing 'n')"),
         ({"regions": (BUFFERS[0], Region("n", (4,), "int64", "n"))}, "buffer 'n' is a tensor of its own, on rank 0 the same tensor as 'm'"),

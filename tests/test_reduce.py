@@ -34,6 +34,17 @@ def gathered_expectation(comm: MPI.Comm, grads: dict[str, Any], weight: int) -> 
     return {k: v / total for k, v in out.items()}, total
 
 
+@pytest.fixture(params=["allreduce", "reduce_scatter"])
+def dp(request: pytest.FixtureRequest, comm: MPI.Comm, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """conftest's session, once with each host algorithm forced (MPIDP_REDUCTION, on every rank alike)."""
+    monkeypatch.setenv("MPIDP_REDUCTION", request.param)
+    params = model(100 + comm.rank)
+    d = mpidp.DataParallel.initialize(params, comm, frozen=["frozen"])
+    d.params = params  # type: ignore[attr-defined]
+    yield d
+    d.close()
+
+
 TOL = {"float32": 1e-6, "float16": 1e-3, "bfloat16": 8e-3}
 
 

@@ -132,13 +132,13 @@ def direct(call: Call, slots: Sequence[Any], itemsize: int, dtype: Any = None) -
     if len(call.segments) == 1:
         if itemsize == 1:
             return s.flat.view(np.uint8)[first.src : first.src + first.length]
-        return s.flat[first.src : first.src + first.length] if s.flat.dtype == dtype else None
+        return s.flat[first.src : first.src + first.length] if _fits(s, dtype) else None
     end = s.address + first.src * itemsize
     start = end
     host = isinstance(s.flat, np.ndarray)
     for seg in call.segments:
         t = slots[seg.slot]
-        if itemsize != 1 and t.flat.dtype != dtype:
+        if itemsize != 1 and not _fits(t, dtype):
             return None
         if t.original is not None or t.address + seg.src * itemsize != end:
             return None
@@ -153,6 +153,15 @@ def direct(call: Call, slots: Sequence[Any], itemsize: int, dtype: Any = None) -
 
     memory = cupy.cuda.UnownedMemory(start, end - start, s.flat, s.flat.device.id)
     return cupy.ndarray((end - start) // itemsize, dtype, cupy.cuda.MemoryPointer(memory, 0))
+
+
+def _fits(s: Slot, dtype: np.dtype) -> bool:
+    """Whether slot ``s`` can be handed to MPI as values of ``dtype``: float32 only when aligned (``s.float32``).
+
+    mpi4py cannot map an unaligned float32 buffer ('=f'); 16-bit values are
+    gathered as bytes, which have no alignment.
+    """
+    return s.flat.dtype == dtype and (s.float32 or dtype != np.float32)
 
 
 #: Elements per sub-block of the host conversion loops: small enough that a

@@ -605,16 +605,19 @@ ODD_ARRAYS = {
 
 
 @pytest.mark.filterwarnings("ignore:the matrix subclass:PendingDeprecationWarning")
+@pytest.mark.parametrize("reduction", ["auto", "reduce_scatter"])
 @pytest.mark.parametrize("chunk_bytes", [4096, 4 << 20])
 @pytest.mark.parametrize("case", sorted(ODD_ARRAYS))
 def test_gradients_of_any_layout_give_the_bits_of_plain_ones(
-    comm: MPI.Comm, where: tuple[bool, int], case: str, chunk_bytes: int, monkeypatch: pytest.MonkeyPatch
+    comm: MPI.Comm, where: tuple[bool, int], case: str, chunk_bytes: int, reduction: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Unaligned, np.matrix, interleaved and strided gradients, on one rank or all: the same bits as plain arrays.
 
     The small chunks cast 16-bit segments with torch where it is installed, the large ones with NumPy.
+    Forced reduce-scatter hands unaligned float32 to MPI only through its buffer.
     """
     mine, _ = where
+    monkeypatch.setenv("MPIDP_REDUCTION", reduction)
     if chunk_bytes == 4096 and importlib.util.find_spec("torch") is not None:
         import torch  # noqa: F401 - packing casts long 16-bit segments with torch once it is imported
     else:

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 from mpi4py import MPI
 
+from .errors import ContractError
 from .packing import Call, direct, write_back
 
 if TYPE_CHECKING:
@@ -106,13 +107,34 @@ def local_rank(comm: MPI.Comm | None = None) -> int:
 def select_device(comm: MPI.Comm | None = None, device: int | None = None) -> int:
     """Make GPU ``device`` (default: node-local rank modulo the GPU count) current for CuPy and PyTorch.
 
-    Collective on ``comm`` when ``device`` is None. Call it before creating
-    the model's arrays; ``DataParallel.initialize`` then expects every array
-    on this device. Returns the device index.
+    Collective on ``comm`` when ``device`` is None: the ranks then agree, and a
+    rank that cannot select a GPU (no CuPy and no CUDA build of PyTorch, no
+    GPU, a CUDA error) is one ContractError on every rank, naming it, instead
+    of an exception on that rank alone while the others go on to wait in
+    ``initialize``. With ``device`` given it is local and raises RuntimeError.
+    Call it before creating the model's arrays; ``DataParallel.initialize``
+    then expects every array on this device. Returns the device index.
     """
-    if device is None:
-        rank = local_rank(comm)
-    count, used = 0, False
+    if device is not None:
+        return _select(device)
+    comm = comm if comm is not None else MPI.COMM_WORLD
+    rank = local_rank(comm)
+    index, error = -1, None
+    try:
+        index = _select(None, rank)
+    except Exception as e:  # noqa: BLE001 - agreed below, raised on every rank alike
+        error = str(e) if isinstance(e, RuntimeError) and str(e).startswith("select_device") else f"{type(e).__name__}: {e}"
+    failed = [(r, why) for r, why in enumerate(comm.allgather(error)) if why is not None]
+    if failed:
+        r, why = failed[0]
+        more = f" (and {len(failed) - 1} more rank{'s' if len(failed) > 2 else ''})" if len(failed) > 1 else ""
+        raise ContractError(f"rank {r}{more}: {why}")
+    return index
+
+
+def _select(device: int | None, rank: int = 0) -> int:
+    """Make ``device`` (None: ``rank`` modulo the GPU count) current for CuPy and PyTorch (local)."""
+    count, used, index = 0, False, -1
     try:
         import cupy
 

@@ -53,6 +53,56 @@ def test_local_rank(comm: MPI.Comm) -> None:
         assert sorted(r for h, r in ranks if h == host) == list(range(sum(1 for h, _ in ranks if h == host)))
 
 
+def _cuda_torch() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
+def test_select_device_on_a_rank_that_cannot_is_one_error_everywhere(comm: MPI.Comm, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The last rank fails to select a GPU: every rank raises the same ContractError, none goes on alone."""
+    from conftest import same_error_everywhere
+
+    last = comm.size - 1
+
+    def select(device: int | None, rank: int = 0) -> int:
+        if comm.rank == last:
+            raise RuntimeError("select_device needs CuPy or a CUDA build of PyTorch, and a GPU")
+        return rank
+
+    monkeypatch.setattr(cuda, "_select", select)
+    same_error_everywhere(
+        comm, lambda: cuda.select_device(comm), mpidp.ContractError,
+        f"rank {last}: select_device needs CuPy or a CUDA build of PyTorch, and a GPU",
+    )
+
+
+def test_select_device_names_a_cuda_error_of_one_rank(comm: MPI.Comm, monkeypatch: pytest.MonkeyPatch) -> None:
+    from conftest import same_error_everywhere
+
+    def select(device: int | None, rank: int = 0) -> int:
+        if comm.rank == 0:
+            raise OSError("CUDA driver version is insufficient")
+        return rank
+
+    monkeypatch.setattr(cuda, "_select", select)
+    same_error_everywhere(comm, lambda: cuda.select_device(comm), mpidp.ContractError, "rank 0: OSError: CUDA driver version is insufficient")
+
+
+@pytest.mark.skipif(_cuda_torch(), reason="a CUDA build of PyTorch can select a GPU here")
+def test_select_device_without_any_gpu_is_one_error_everywhere(comm: MPI.Comm) -> None:
+    from conftest import same_error_everywhere
+
+    if cupy is not None:
+        pytest.skip("CuPy sees a GPU (or the CPU stand-in) here")
+    message = same_error_everywhere(comm, lambda: cuda.select_device(comm), mpidp.ContractError, "rank 0")
+    assert "select_device needs CuPy or a CUDA build of PyTorch, and a GPU" in message or "CUDA" in message, message
+    with pytest.raises(RuntimeError, match="select_device needs CuPy"):  # a device given: local, as before
+        cuda.select_device(comm, device=0)
+
+
 cupy = None
 try:  # a GPU is needed for anything below
     import cupy  # type: ignore[no-redef]

@@ -29,6 +29,7 @@ Nothing here gates on time: the targets are reported, not asserted.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import math
@@ -39,7 +40,7 @@ import statistics
 import sys
 import time
 import tracemalloc
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -617,15 +618,14 @@ def bench_reduce(
             reset = reset_values(list(grads.values()))
             label = f"mpidp reduce {mix}, {'separate arrays' if kind == 'arrays' else 'gradient_buffers'}{how}"
             record(key, label, "allreduce", paired(limit, fn, reps, warmup, inner, reset, zero_limit), memory=memory(fn))
-            numpy_key = f"mpidp_{mix}_{kind}_numpy_casts{suffix}"
-            if mix != "fp32" and casts() == "torch" and want(numpy_key):
-                packing.TORCH_CASTS = False  # what a process without torch gets
-                try:
+            short = "arrays" if kind == "arrays" else "buffers"
+            for other, settings in other_casts(mix):  # what a process without torch (or without numba) gets
+                other_key = f"mpidp_{mix}_{kind}_{other}_casts{suffix}"
+                if not want(other_key):
+                    continue
+                with cast_settings(**settings):
                     res = paired(limit, fn, reps, warmup, inner, reset, zero_limit)
-                finally:
-                    packing.TORCH_CASTS = None
-                short = "arrays" if kind == "arrays" else "buffers"
-                record(numpy_key, f"mpidp reduce {mix}, {short}, NumPy casts{how}", "allreduce", res)
+                record(other_key, f"mpidp reduce {mix}, {short}, {CAST_NAMES[other]} casts{how}", "allreduce", res)
             del grads, fn, reset
     finally:
         dp.close()
@@ -727,9 +727,45 @@ def machine() -> dict[str, Any]:
     }
 
 
+#: who casts 16-bit host values in mpidp (mpidp.packing): torch's kernels, mpidp.kernels (numba), NumPy / ml_dtypes
+CAST_NAMES = {"torch": "torch", "numba": "numba", "numpy": "NumPy"}
+
+
+def numba_casts() -> bool:
+    """Whether mpidp.kernels (numba) can serve this process."""
+    return packing.NUMBA_CASTS is not False and packing._kernels_for(np.empty(1 << 12, np.float16), np.empty(1 << 12, np.float32)) is not None
+
+
 def casts() -> str:
-    """Whose 16-bit casts mpidp uses in this process (see mpidp.packing.TORCH_CASTS)."""
-    return "torch" if "torch" in sys.modules and packing.TORCH_CASTS is not False else "numpy"
+    """Whose 16-bit casts mpidp uses in this process (see mpidp.packing.TORCH_CASTS and NUMBA_CASTS)."""
+    if "torch" in sys.modules and packing.TORCH_CASTS is not False:
+        return "torch"
+    return "numba" if numba_casts() else "numpy"
+
+
+def other_casts(mix: str) -> list[tuple[str, dict[str, Any]]]:
+    """The casts a process without torch (numba), and one without either (NumPy), would use, if not this one's."""
+    if mix == "fp32":
+        return []
+    out: list[tuple[str, dict[str, Any]]] = []
+    if casts() == "torch" and numba_casts():
+        out.append(("numba", {"TORCH_CASTS": False}))
+    if casts() != "numpy":
+        out.append(("numpy", {"TORCH_CASTS": False, "NUMBA_CASTS": False}))
+    return out
+
+
+@contextlib.contextmanager
+def cast_settings(**settings: Any) -> Iterator[None]:
+    """Set mpidp.packing's cast switches for the block."""
+    before = {k: getattr(packing, k) for k in settings}
+    for k, v in settings.items():
+        setattr(packing, k, v)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            setattr(packing, k, v)
 
 
 def torch_available() -> bool:
@@ -759,6 +795,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "reductions": args.reductions,
             "torch": gloo is not None,
             "casts": casts(),
+            "numba": numba_casts(),
             "machine": machine(),
             "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
             "load_average_start": load_start,

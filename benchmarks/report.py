@@ -21,6 +21,7 @@ MEMORY_CHUNKS = 4
 ISSUE_20 = {
     "mpidp_fp32_buffers": 1.10, "mpidp_mixed_buffers": 1.15, "mpidp_fp16_buffers": 1.15,
     "mpidp_fp32_arrays": 1.25, "mpidp_mixed_arrays": 1.35, "mpidp_mixed_arrays_numpy_casts": 1.35,
+    "mpidp_mixed_arrays_numba_casts": 1.35,
 }
 
 

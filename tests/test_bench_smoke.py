@@ -31,6 +31,7 @@ MPIDP_VARIANTS = [f"mpidp_{mix}_{kind}" for mix in ("fp32", "mixed", "fp16") for
 VARIANTS = ["raw_one_call", "raw_scatter", "raw_scatter_half", "raw_divide", "per_tensor", "horovod_fusion", "horovod_synced", "mpidp_initialize", "mpidp_initialize_flat", *MPIDP_VARIANTS]
 #: with torch loaded, 16-bit reduces run on torch's casts and are timed once more on NumPy's
 NUMPY_CAST_VARIANTS = [f"mpidp_{mix}_{kind}_numpy_casts" for mix in ("mixed", "fp16") for kind in ("arrays", "buffers")]
+NUMBA_CAST_VARIANTS = [f"mpidp_{mix}_{kind}_numba_casts" for mix in ("mixed", "fp16") for kind in ("arrays", "buffers")]
 
 
 def positive(x: Any) -> bool:
@@ -60,7 +61,7 @@ def test_quick_run_writes_every_key(quick: tuple[dict[str, Any], Path, str]) -> 
     meta = result["meta"]
     assert meta["world_size"] == RANKS and meta["quick"] is True
     assert {"machine", "load_average_start", "load_average_end", "command", "chunk_bytes", "casts"} <= set(meta)
-    assert meta["casts"] == ("torch" if meta["torch"] else "numpy")
+    assert meta["casts"] == ("torch" if meta["torch"] else "numba" if meta["numba"] else "numpy")
     assert set(result["sets"]) == {"gpt2-mini", "tiny"}
     for name, s in result["sets"].items():
         assert {"tensors", "parameters", "fp32_bytes", "limits", "variants"} <= set(s), name
@@ -68,7 +69,8 @@ def test_quick_run_writes_every_key(quick: tuple[dict[str, Any], Path, str]) -> 
             assert s["limits"][limit]["best_chunk_bytes"] > 0
             assert all(positive(t) for t in s["limits"][limit]["by_chunk_mib"].values())
         expected = VARIANTS + (["gloo_flat", "gloo_buckets"] if meta["torch"] else [])
-        expected += NUMPY_CAST_VARIANTS if meta["casts"] == "torch" else []
+        expected += NUMPY_CAST_VARIANTS if meta["casts"] != "numpy" else []
+        expected += NUMBA_CAST_VARIANTS if meta["casts"] == "torch" and meta["numba"] else []
         assert sorted(s["variants"]) == sorted(expected), name
 
 
@@ -155,3 +157,23 @@ def test_gpu_benchmark_runs_on_the_cpu_stand_in(aware: str) -> None:
         assert any(line.split()[:2] == [name, "median"] and float(line.split()[2]) > 0 for line in lines), (name, p.stdout)
     for limit in ("raw", "host"):
         assert any(line.strip().startswith(f"mpidp / {limit}:") for line in lines), p.stdout
+
+
+def test_casts_benchmark_times_every_way(tmp_path: Path) -> None:
+    """benchmarks/casts.py: every cast, every way this process has (numba's and torch's where installed), positive."""
+    import importlib.util
+
+    out = tmp_path / "casts.json"
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "casts.py"), "--sizes", "8192", "--rounds", "2", "--calls", "2", "--out", str(out)],
+        capture_output=True, text=True, timeout=TIMEOUT, env=clean_env(),
+    )
+    assert run.returncode == 0, run.stderr
+    rows = json.loads(out.read_text())["sizes"]["8192"]
+    assert set(rows) == {"bfloat16 -> float32", "float16 -> float32", "float32 / w -> bfloat16", "float32 / w -> float16"}
+    expected = {"NumPy / ml_dtypes", "mpidp bit arithmetic"}
+    expected |= {"mpidp.kernels (numba)"} if importlib.util.find_spec("numba") else set()
+    expected |= {"torch"} if importlib.util.find_spec("torch") else set()
+    for cast, by in rows.items():
+        assert set(by) == expected, cast
+        assert all(positive(v["ms"]) for v in by.values()), cast

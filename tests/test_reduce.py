@@ -613,15 +613,18 @@ def test_gradients_of_any_layout_give_the_bits_of_plain_ones(
 ) -> None:
     """Unaligned, np.matrix, interleaved and strided gradients, on one rank or all: the same bits as plain arrays.
 
-    The small chunks cast 16-bit segments with torch where it is installed, the large ones with NumPy.
+    The small chunks cast 16-bit segments with torch where it is installed, the large ones without it
+    (NumPy's casts in auto mode; numba's, where installed, in forced reduce-scatter mode).
     Forced reduce-scatter hands unaligned float32 to MPI only through its buffer.
     """
     mine, _ = where
     monkeypatch.setenv("MPIDP_REDUCTION", reduction)
     if chunk_bytes == 4096 and importlib.util.find_spec("torch") is not None:
         import torch  # noqa: F401 - packing casts long 16-bit segments with torch once it is imported
-    else:
+    else:  # without torch: NumPy's casts, or numba's where installed in the reduce-scatter cases
         monkeypatch.setattr(mpidp.packing, "TORCH_CASTS", False)
+        if reduction == "auto":
+            monkeypatch.setattr(mpidp.packing, "NUMBA_CASTS", False)
     wide = {"wide": np.zeros((64, 100), np.float32), "wide16": np.zeros((64, 100), np.float16), "wideb": np.zeros((64, 100), BF16)}
     params = {**model(100 + comm.rank), **wide}  # 2-D, several calls of their own at 4 KiB, long 16-bit segments
     with mpidp.DataParallel.initialize(params, comm, frozen=["frozen"], chunk_bytes=chunk_bytes) as dp:

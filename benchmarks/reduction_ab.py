@@ -37,7 +37,8 @@ def main() -> None:
     p.add_argument("--set", default="resnet50", choices=list(gradsets.SETS))
     p.add_argument("--mix", default="mixed", choices=gradsets.MIXES)
     p.add_argument("--kind", default="buffers", choices=("buffers", "arrays"), help="gradient_buffers or caller arrays")
-    p.add_argument("--casts", default="torch", choices=("torch", "numpy"), help="16-bit casts: torch's (imports torch) or NumPy's")
+    p.add_argument("--casts", default="torch", choices=("torch", "numba", "numpy"),
+                   help="16-bit casts: torch's (imports torch), mpidp.kernels' (numba) or NumPy's")
     p.add_argument("--mode", default="reduce_scatter", choices=("reduce_scatter", "auto"), help="the mode timed against allreduce")
     p.add_argument("--reps", type=int, default=9)
     a = p.parse_args()
@@ -47,6 +48,7 @@ def main() -> None:
         torch.set_num_threads(1)
     else:
         packing.TORCH_CASTS = False
+        packing.NUMBA_CASTS = None if a.casts == "numba" else False
     _, layout = gradsets.shapes(a.set)
     params = {n: np.zeros(s, gradsets.dtype_of(a.mix, s)) for n, s in layout}
     sessions: dict[str, tuple[mpidp.DataParallel, dict[str, Any]]] = {}

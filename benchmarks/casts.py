@@ -8,7 +8,8 @@ kernels of :mod:`mpidp.kernels` (numba) and torch's. Every way is timed in
 rotating order within each round; the table gives medians and the ratio
 to torch's, whose whole cast is the yardstick (issue 20: within 1.2x).
 
-    python benchmarks/casts.py --sizes 1048576,4194304 --rounds 7 --out benchmarks/results/casts/run.json
+    python benchmarks/casts.py --sizes 1048576,4194304 --rounds 7 --out benchmarks/results/casts/casts.json
+    python benchmarks/casts.py --report benchmarks/results/casts/casts.json   # the Markdown table
 """
 
 from __future__ import annotations
@@ -85,6 +86,24 @@ def ways(n: int, torch: Any) -> dict[str, dict[str, Callable[[], object]]]:
     return table
 
 
+def markdown(result: dict[str, Any]) -> str:
+    """The results as a Markdown table: ms per cast (ratio to torch's) for each size, cast and way."""
+    sizes = list(result["sizes"])
+    ways_seen = list(dict.fromkeys(w for rows in result["sizes"].values() for by in rows.values() for w in by))
+    lines = ["| values | cast | " + " | ".join(ways_seen) + " |", "|---:|---|" + "---:|" * len(ways_seen)]
+    for n in sizes:
+        for cast, by in result["sizes"][n].items():
+            cells = []
+            for w in ways_seen:
+                v = by.get(w)
+                if v is None:
+                    cells.append("-")
+                else:
+                    cells.append(f"{v['ms']:.3f}" + ("" if v["to_torch"] is None or w == "torch" else f" ({v['to_torch']:.2f}x)"))
+            lines.append(f"| {int(n):,} | {cast} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default="1048576,4194304", help="values per cast, comma-separated")
@@ -92,7 +111,11 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=20, help="calls per timing (median)")
     parser.add_argument("--no-torch", action="store_true", help="leave torch out (as in a process without it)")
     parser.add_argument("--out", type=Path, help="write the results here as JSON")
+    parser.add_argument("--report", type=Path, help="print the Markdown table of a JSON result and exit")
     args = parser.parse_args()
+    if args.report is not None:
+        print(markdown(json.loads(args.report.read_text())))
+        return
     torch = None
     if not args.no_torch:
         try:

@@ -166,7 +166,7 @@ def test_casts_benchmark_times_every_way(tmp_path: Path) -> None:
     out = tmp_path / "casts.json"
     run = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "casts.py"), "--sizes", "8192", "--rounds", "2", "--calls", "2", "--out", str(out)],
-        capture_output=True, text=True, timeout=TIMEOUT, env=clean_env(),
+        check=False, capture_output=True, text=True, timeout=TIMEOUT, env=clean_env(),
     )
     assert run.returncode == 0, run.stderr
     rows = json.loads(out.read_text())["sizes"]["8192"]
@@ -177,3 +177,8 @@ def test_casts_benchmark_times_every_way(tmp_path: Path) -> None:
     for cast, by in rows.items():
         assert set(by) == expected, cast
         assert all(positive(v["ms"]) for v in by.values()), cast
+    report = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "casts.py"), "--report", str(out)], check=False, capture_output=True, text=True, timeout=TIMEOUT,
+    )
+    assert report.returncode == 0, report.stderr
+    assert report.stdout.count("\n| 8,192 |") == 4 and "| values | cast | NumPy / ml_dtypes |" in report.stdout

@@ -372,27 +372,32 @@ def _unpack(dst: np.ndarray, src: np.ndarray, op: Callable[..., Any], operand: n
 
 #: Values of ``MPIDP_REDUCTION``: how a host call is summed (agreed in ``initialize``).
 REDUCTIONS = ("auto", "allreduce", "reduce_scatter")
-#: ``auto`` reduce-scatters 16-bit calls of at least this many units (shorter calls: one Allreduce
+#: ``auto`` reduce-scatters calls of at least this many units (shorter calls: one Allreduce
 #: costs less than two collectives).
 SCATTER_MIN = 1 << 15
+#: ``auto`` reduce-scatters float32 calls from this many ranks on (measured: slower at 2, faster at 3 and 4).
+SCATTER_MIN_RANKS_FP32 = 3
 
 
 def reduce_scatter_for(length: int, dtype: Any, size: int, mode: str) -> bool:
     """Whether a call of ``length`` units of one ``dtype`` (None: mixed) is reduce-scattered (pure; agreed facts only).
 
     ``allreduce``: never. ``reduce_scatter``: every call of one dtype.
-    ``auto``: 16-bit calls of at least :data:`SCATTER_MIN` units on two ranks
-    or more: the owners divide and cast 1/n of the values instead of all of
-    them after an Allreduce, and the 2-byte Allgather moves 25% fewer bytes
-    than a float32 Allreduce. float32 calls keep the Allreduce: they would
-    save only the division, and on shared memory the pair of collectives was
-    as often slower as faster (docs/performance.md).
+    ``auto``: calls of at least :data:`SCATTER_MIN` units, 16-bit ones on two
+    ranks or more and float32 ones on :data:`SCATTER_MIN_RANKS_FP32` or more.
+    The owners divide (and cast) 1/n of the values instead of all of them
+    after an Allreduce, and for 16-bit the Allgather moves 2-byte values.
+    float32 saves only the division: on shared memory its pair of
+    collectives was 0.66-0.96x the Allreduce's time at 3 and 4 ranks but
+    1.03-1.18x at 2 (docs/performance.md).
     """
     if dtype is None or mode == "allreduce":
         return False
     if mode == "reduce_scatter":
         return True
-    return size > 1 and dtype != np.float32 and length >= SCATTER_MIN
+    if length < SCATTER_MIN:
+        return False
+    return size >= (SCATTER_MIN_RANKS_FP32 if dtype == np.float32 else 2)
 
 
 class Scatter(NamedTuple):

@@ -141,7 +141,9 @@ def test_the_rule_uses_agreed_facts_only() -> None:
     assert reduce_scatter_for(1, f32, 1, "reduce_scatter")
     assert reduce_scatter_for(SCATTER_MIN, f16, 2, "auto") and reduce_scatter_for(SCATTER_MIN, np.dtype(BF16), 4, "auto")
     assert not reduce_scatter_for(SCATTER_MIN - 1, f16, 4, "auto")
-    assert not reduce_scatter_for(1 << 20, f32, 2, "auto") and not reduce_scatter_for(1 << 20, f32, 4, "auto")
+    assert not reduce_scatter_for(1 << 20, f32, 2, "auto")  # float32: the Allreduce at 2 ranks,
+    assert reduce_scatter_for(SCATTER_MIN, f32, 3, "auto") and reduce_scatter_for(1 << 20, f32, 4, "auto")  # from 3 on
+    assert not reduce_scatter_for(SCATTER_MIN - 1, f32, 4, "auto")
     assert not reduce_scatter_for(1 << 20, f16, 1, "auto")
 
 

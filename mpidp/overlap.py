@@ -19,6 +19,17 @@ thread, and returns at once) and hands queued calls to MPI, at most
 :data:`DEPTH` at a time. :meth:`Buckets.finish` then sums what no rank had
 handed to MPI with blocking calls, faster in MPICH.
 
+With ``thread=True`` (the same on every rank: blocking and non-blocking
+collectives do not match) a daemon *communication thread* sums the buckets
+instead: :meth:`ready` only queues complete buckets and wakes it; it runs
+each call as a blocking Allreduce (faster in MPICH than non-blocking ones)
+and sleeps on a condition variable when nothing is queued, so it takes a
+core only while it sums. It needs ``MPI_THREAD_MULTIPLE``. An exception in
+it that MPI raised ends the job (:func:`mpidp.guard.fatal`: the other ranks
+could not finish the call); any other one is recorded in :attr:`failure`
+and the calling thread sums what the thread left, blocking, so that the
+window's collectives still match.
+
 The buckets use a communicator of their own, so the window's agreement (on
 the session's communicator) may run while they are in flight. Every window
 starts every bucket exactly once, on every rank, whatever happens: a window
@@ -27,13 +38,18 @@ that raises, and ``close``, flush and wait first.
 
 from __future__ import annotations
 
+import sys
+import threading
+import traceback
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
+from . import guard
 from .comm import Communicator
+from .errors import CollectiveError
 
 __all__ = ["DEPTH", "Buckets", "layout"]
 
@@ -41,6 +57,9 @@ __all__ = ["DEPTH", "Buckets", "layout"]
 #: in 1 MiB Iallreduce calls 2-3x slower with every call started at once than with 1-2 in flight
 #: (docs/performance.md, "Overlap with backward"; its blocking Allreduce is faster still).
 DEPTH = 2
+
+#: what the communication thread's calls are called (the buckets' watchdog reports it)
+THREAD_OPERATION = "reduce: Allreduce (communication thread)"
 
 
 def layout(
@@ -80,12 +99,23 @@ class Buckets:
 
     ``comm`` is the buckets' own communicator (a duplicate); ``watched`` is
     the session's, whose watchdog sees :meth:`wait` and :meth:`redo`.
+    ``thread``: a communication thread sums the buckets (module docstring;
+    the caller watches ``comm``'s blocking calls and calls :meth:`close`).
     """
 
     def __init__(
-        self, comm: Communicator, watched: Communicator, sizes: Sequence[int], order: Sequence[int], bucket: int, chunk: int
+        self, comm: Communicator, watched: Communicator, sizes: Sequence[int], order: Sequence[int], bucket: int, chunk: int,
+        thread: bool = False,
     ) -> None:
         self.comm = comm
+        self.threaded = thread
+        #: guards the queue, :attr:`failure` and the thread's state; the thread waits on it for work
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._busy = False  # the thread is in a call (still at the head of the queue)
+        self._stop = False
+        #: what the communication thread raised (not MPI: the calls could still finish), until taken
+        self.failure: str | None = None
         self.watched = watched
         offset, self._slots, self._calls = layout(sizes, order, bucket, chunk)
         total = sum(sizes)
@@ -141,11 +171,80 @@ class Buckets:
         self.progress()
 
     def _queue(self, k: int) -> None:
-        self._pending.extend(self._calls[k])
-        self._next = k + 1
+        if not self.threaded:
+            self._pending.extend(self._calls[k])
+            self._next = k + 1
+            return
+        with self._cond:
+            self._pending.extend(self._calls[k])
+            self._next = k + 1
+            if self._thread is None and self.failure is None:
+                self._thread = threading.Thread(target=self._serve, name="mpidp-communication", daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+
+    def _serve(self) -> None:
+        """The communication thread: sum queued calls in order with blocking Allreduce, sleep when none is queued."""
+        cond, pending = self._cond, self._pending
+        while True:
+            with cond:
+                while not pending and not self._stop:
+                    cond.wait()
+                if not pending:
+                    self._thread = None
+                    return
+                lo, hi = pending[0]
+                self._busy = True
+            try:
+                self.comm.Allreduce_into(self.send[lo:hi], self.recv[lo:hi], THREAD_OPERATION)
+            except CollectiveError as e:  # MPI failed inside the call: the other ranks cannot finish it
+                guard.fatal(self.comm.rank, "the communication thread's Allreduce", e)
+                raise
+            except BaseException as e:  # noqa: BLE001 - this rank's error at the next reduce; the caller sums the rest
+                sys.stderr.write(f"mpidp: the communication thread failed on rank {self.comm.rank}; the next reduce raises:\n")
+                traceback.print_exception(type(e), e, e.__traceback__, file=sys.stderr)
+                with cond:
+                    self.failure = f"the communication thread failed: {type(e).__name__}: {e}"
+                    self._busy = False
+                    self._thread = None
+                    cond.notify_all()
+                return
+            with cond:
+                pending.popleft()
+                self._handed += 1
+                self._busy = False
+                cond.notify_all()
+
+    def _join(self, operation: str) -> None:
+        """Wait until the thread has summed every queued call; sum what a failed thread left, here (blocking)."""
+        cond, pending = self._cond, self._pending
+        with cond:
+            while (pending or self._busy) and self._thread is not None:
+                cond.wait()
+            left = list(pending)
+            pending.clear()
+        for lo, hi in left:  # the thread failed before MPI had these: the other ranks' calls still match
+            self.comm.Allreduce_into(self.send[lo:hi], self.recv[lo:hi], operation)
+
+    def take_failure(self) -> str | None:
+        """What the thread raised since the last call, cleared: the thread starts again with the next bucket (local)."""
+        with self._cond:
+            failure, self.failure = self.failure, None
+        return failure
+
+    def close(self) -> None:
+        """Stop and join the communication thread, if any (local; after the last window is finished)."""
+        with self._cond:
+            self._stop = True
+            thread = self._thread
+            self._cond.notify_all()
+        if thread is not None:
+            thread.join()
 
     def progress(self) -> None:
         """Test the oldest calls in flight once each, and start queued calls in their place (local, never waits)."""
+        if self.threaded:
+            return
         flight = self._flight
         while flight and self.comm.done(flight[0]):
             flight.popleft()
@@ -170,7 +269,13 @@ class Buckets:
             self._queue(k)
 
     def wait(self, operation: str) -> None:
-        """Hand every queued call to MPI, ``depth`` at a time, and finish them (watched by the session's watchdog)."""
+        """Hand every queued call to MPI, ``depth`` at a time, and finish them (watched by the session's watchdog).
+
+        Threaded: wait until the thread has summed them.
+        """
+        if self.threaded:
+            self._join(operation)
+            return
         self._fill_flight()
         flight = self._flight
         while flight:
@@ -184,8 +289,12 @@ class Buckets:
         (:attr:`handed`, agreed): every rank starts that many non-blocking,
         as collectives must match, and sums the rest with blocking Allreduce
         calls on the session's communicator, which MPICH runs faster than
-        non-blocking ones (:data:`DEPTH`).
+        non-blocking ones (:data:`DEPTH`). Threaded: ``handed`` is not
+        needed; the thread sums every call.
         """
+        if self.threaded:
+            self._join(operation)
+            return
         pending = self._pending
         while self._handed < handed:
             self._start(*pending.popleft())

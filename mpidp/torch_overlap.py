@@ -1,11 +1,12 @@
 """The PyTorch adapter's overlapped path: gradients go into reduction buckets as autograd finishes them.
 
-Used by :class:`mpidp.torch.DataParallel` with ``overlap=True``. A
+Used by :class:`mpidp.torch.DataParallel` with ``overlap`` set. A
 post-accumulate-grad hook per trainable tie group copies the finished
 gradient into its slot of the session's float32 send buffer
 (:mod:`mpidp.overlap`; a float32 ``.grad`` then *is* that slot, so the next
 backward accumulates there and needs no copy) and marks it ready: complete
-buckets start summing at once, in the agreed order, while backward goes on.
+buckets start summing at once, in the agreed order, while backward goes on
+(progressed by the hooks themselves, or by a communication thread).
 ``reduce`` then agrees on the window as the plain path does, finishes the
 buckets, and writes ``sum / global_weight`` into ``.grad``. The hooks never
 raise: what goes wrong in one is this rank's error at the next ``reduce``,
@@ -29,11 +30,14 @@ __all__ = ["Overlap"]
 class Overlap:
     """The hooks, the send slots as tensors, and the window state of one overlapped session (local)."""
 
-    def __init__(self, session: core.DataParallel, params: dict[str, Any], forward: Sequence[str], bucket_bytes: int) -> None:
+    def __init__(
+        self, session: core.DataParallel, params: dict[str, Any], forward: Sequence[str], bucket_bytes: int, progress: str = "hooks"
+    ) -> None:
         heads = session.trainable
         slot = {h: i for i, h in enumerate(heads)}
         order = [slot[h] for h in reversed(forward) if h in slot]  # backward finishes the last layers first
-        self.buckets = session.reduction_buckets(order, bucket_bytes)
+        # "auto": a communication thread where the node has a core for it besides torch's computing threads
+        self.buckets = session.reduction_buckets(order, bucket_bytes, progress, torch.get_num_threads())
         self.names = heads
         self.params = [params[h] for h in heads]
         #: each slot's part of the send buffer, shaped like its parameter (float32)

@@ -156,7 +156,7 @@ class Communicator:
             self.operation = None
 
     def Allreduce_into(self, send: np.ndarray, recv: np.ndarray, operation: str = "Allreduce") -> None:
-        """Sum float32 host buffer ``send`` over all ranks into ``recv``."""
+        """Sum host buffer ``send`` (float32, or int64 for weights) over all ranks into ``recv``."""
         self._enter(operation)
         try:
             self.comm.Allreduce(send, recv, MPI.SUM)

@@ -449,7 +449,8 @@ class DataParallel:
         next window starts clean. Otherwise ``fill(slot)`` fills each slot the
         backward did not make ready, every bucket is finished, and the buckets'
         ``sums`` hold the sums over the ranks (a rank of weight 0 counted as
-        zeros) for the caller to divide by the global weight.
+        zeros) for the caller to divide by the global weight, or, where the
+        buckets' :attr:`~mpidp.overlap.Buckets.divided` is set, already divided by it.
         """
         buckets = self._buckets
         assert buckets is not None, "reduction_buckets() first"
@@ -468,7 +469,8 @@ class DataParallel:
             else:
                 handed = self._comm.Allgather(np.array([buckets.handed], np.int64), f"{operation}: calls started")
                 buckets.finish(int(handed.max()), operation)
-            if agreed.zero_weight:  # its gradients left during backward: sum again, counting them as zeros
+            stale = buckets.divided is not None and buckets.divided != agreed.global_weight  # weights given before backward were not these
+            if agreed.zero_weight or stale:  # its gradients left during backward: sum again, counting them as zeros
                 buckets.redo(agreed.weight == 0, operation)
         except CollectiveError as e:
             self._failed = str(e)

@@ -24,7 +24,11 @@ collectives do not match) a daemon *communication thread* sums the buckets
 instead: :meth:`ready` only queues complete buckets and wakes it; it runs
 each call as a blocking Allreduce (faster in MPICH than non-blocking ones)
 and sleeps on a condition variable when nothing is queued, so it takes a
-core only while it sums. It needs ``MPI_THREAD_MULTIPLE``. An exception in
+core only while it sums. Its first call of every window sums the weights
+the ranks gave before backward (:meth:`Buckets.expect`); where every rank
+gave one and none is 0, it also divides each chunk by their sum as soon as
+the chunk is summed, so that the division is no longer left for after
+backward. It needs ``MPI_THREAD_MULTIPLE``. An exception in
 it that MPI raised ends the job (:func:`mpidp.guard.fatal`: the other ranks
 could not finish the call); any other one is recorded in :attr:`failure`
 and the calling thread sums what the thread left, blocking, so that the
@@ -60,6 +64,8 @@ DEPTH = 2
 
 #: what the communication thread's calls are called (the buckets' watchdog reports it)
 THREAD_OPERATION = "reduce: Allreduce (communication thread)"
+#: the thread's first call of every window, before the first bucket's: the weights known before backward
+WEIGHTS = (-1, -1)
 
 
 def layout(
@@ -116,6 +122,12 @@ class Buckets:
         self._stop = False
         #: what the communication thread raised (not MPI: the calls could still finish), until taken
         self.failure: str | None = None
+        #: this rank's weight for the coming window, if known before its backward (:meth:`expect`)
+        self.expected: int | None = None
+        #: the global weight the thread divided this window's sums by (None: not divided), until the next window
+        self.divided: int | None = None
+        self._weights = np.zeros(3, np.int64)  # this rank's (weight, weight == 0, weight unknown); their sums
+        self._global = np.zeros(3, np.int64)
         self.watched = watched
         offset, self._slots, self._calls = layout(sizes, order, bucket, chunk)
         total = sum(sizes)
@@ -176,6 +188,9 @@ class Buckets:
             self._next = k + 1
             return
         with self._cond:
+            if k == 0:  # a window starts: its first call sums the weights known before backward (every rank, every window)
+                self.divided = None
+                self._pending.append(WEIGHTS)
             self._pending.extend(self._calls[k])
             self._next = k + 1
             if self._thread is None and self.failure is None:
@@ -196,7 +211,7 @@ class Buckets:
                 lo, hi = pending[0]
                 self._busy = True
             try:
-                self.comm.Allreduce_into(self.send[lo:hi], self.recv[lo:hi], THREAD_OPERATION)
+                self._run(lo, hi, THREAD_OPERATION)
             except CollectiveError as e:  # MPI failed inside the call: the other ranks cannot finish it
                 guard.fatal(self.comm.rank, "the communication thread's Allreduce", e)
                 raise
@@ -215,6 +230,35 @@ class Buckets:
                 self._busy = False
                 cond.notify_all()
 
+    def _run(self, lo: int, hi: int, operation: str) -> None:
+        """One blocking call of the thread's queue: the weights (:data:`WEIGHTS`) or a chunk, divided if the weights allow."""
+        if lo < 0:
+            w, self.expected = self.expected, None
+            self._weights[:] = (w or 0, w == 0, w is None)
+            self.comm.Allreduce_into(self._weights, self._global, operation)
+            total, zeros, unknown = (int(v) for v in self._global)
+            # every rank knew its weight and none is 0 (a rank of weight 0 counts as zeros: not this sum)
+            self.divided = total if total > 0 and not zeros and not unknown else None
+            return
+        self.comm.Allreduce_into(self.send[lo:hi], self.recv[lo:hi], operation)
+        if self.divided is not None:  # as the adapters divide after the sums: float32 by float32, the same bits
+            np.divide(self.recv[lo:hi], np.float32(self.divided), out=self.recv[lo:hi])
+
+    def expect(self, weight: int) -> None:
+        """This rank's weight for the window whose first bucket is not queued yet (threaded: the thread then divides).
+
+        Every rank's weight known and none 0: the thread sums the weights
+        first and divides each chunk by their sum right after summing it
+        (:attr:`divided`). Local; a weight given too late (the window's first
+        bucket already queued) waits for the next window.
+        """
+        self.expected = int(weight)
+
+    def swap(self) -> None:
+        """Exchange the send and receive buffers (local; between windows): the adapter keeps the divided sums as gradients."""
+        self.send, self.recv = self.recv, self.send
+        self.views, self.sums = self.sums, self.views
+
     def _join(self, operation: str) -> None:
         """Wait until the thread has summed every queued call; sum what a failed thread left, here (blocking)."""
         cond, pending = self._cond, self._pending
@@ -224,7 +268,7 @@ class Buckets:
             left = list(pending)
             pending.clear()
         for lo, hi in left:  # the thread failed before MPI had these: the other ranks' calls still match
-            self.comm.Allreduce_into(self.send[lo:hi], self.recv[lo:hi], operation)
+            self._run(lo, hi, operation)
 
     def take_failure(self) -> str | None:
         """What the thread raised since the last call, cleared: the thread starts again with the next bucket (local)."""
@@ -321,6 +365,7 @@ class Buckets:
         """
         if zero:
             self.send[...] = 0
+        self.divided = None
         for calls in self._calls:
             for lo, hi in calls:
                 self.watched.Allreduce_into(self.send[lo:hi], self.recv[lo:hi], operation)

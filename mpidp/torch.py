@@ -262,6 +262,22 @@ class DataParallel:
         self._refresh()
         self._core.verify_replicas()
 
+    def expect_weight(self, local_weight: int) -> None:
+        """Give this window's local weight before its last backward, so that the division need not wait for ``reduce`` (local).
+
+        Optional; only ``overlap="thread"`` (or ``True`` where it picks the
+        thread) uses it: where every rank gave its weight for the window and
+        none is 0, the communication thread divides each bucket by the global
+        weight as soon as it is summed, and ``reduce`` has only the last
+        buckets left. ``reduce(local_weight=...)`` still decides, and checks,
+        as always: where the global weight it agrees on is not the one given
+        here, the sums are taken again after backward (the same result,
+        later). Elsewhere it does nothing. A weight that is not a non-negative
+        int is this rank's error at the next ``reduce``, on every rank.
+        """
+        if self._overlap is not None:
+            self._overlap.expect_weight(local_weight)
+
     def no_sync(self) -> AbstractContextManager[None]:
         """A context for the backward passes of a window but the last: they only accumulate ``.grad`` (local).
 

@@ -80,16 +80,22 @@ def test_layout_puts_slots_in_order_and_splits_large_ones() -> None:
     assert calls == [[(0, 3), (3, 6), (6, 7)], [(7, 10), (10, 13), (13, 16), (16, 17)]]
 
 
+@pytest.mark.parametrize("early", [False, True])
 @pytest.mark.parametrize("zero", ["dp", "none"])
 @pytest.mark.parametrize("accumulate", [1, 3])
-def test_overlap_equals_the_plain_path_bitwise(comm: MPI.Comm, accumulate: int, zero: str, mode: str) -> None:
-    """Tied and frozen parameters, one used by some ranks only, one by none, a rank without tokens; micro-batches."""
+def test_overlap_equals_the_plain_path_bitwise(comm: MPI.Comm, accumulate: int, zero: str, mode: str, early: bool) -> None:
+    """Tied and frozen parameters, one used by some ranks only, one by none, a rank without tokens; micro-batches.
+
+    ``early``: the weight is given before backward too (the thread divides as it sums).
+    """
     (plain, dp), (over, do) = pair(lambda s: TinyLM(s, frozen=True), comm, mode, **SMALL)
     opts = [torch.optim.SGD(m.parameters(), lr=0.3, momentum=0.9) for m in (plain, over)]
     with dp, do:
         for step in range(4):
             batches = list(micro_batches(shards(step, comm.size)[comm.rank], accumulate))
             tokens = sum(int((y != IGNORE).sum()) for _, y in batches)
+            if early:
+                do.expect_weight(tokens)
             for model, session, opt in ((plain, dp, opts[0]), (over, do, opts[1])):
                 for k, (x, y) in enumerate(batches):
                     with session.no_sync() if k < len(batches) - 1 else nullcontext():
@@ -103,30 +109,73 @@ def test_overlap_equals_the_plain_path_bitwise(comm: MPI.Comm, accumulate: int, 
         assert all(comm.allgather(all(torch.equal(p, q) for p, q in zip(plain.parameters(), over.parameters()))))
 
 
-def test_overlap_sums_bfloat16_gradients_in_float32_like_the_plain_path(comm: MPI.Comm, mode: str) -> None:
+@pytest.mark.parametrize("early", [False, True])
+def test_overlap_sums_bfloat16_gradients_in_float32_like_the_plain_path(comm: MPI.Comm, mode: str, early: bool) -> None:
     (plain, dp), (over, do) = pair(Mixed, comm, mode, **SMALL)
     with dp, do:
         for step in range(3):
             rng = np.random.default_rng([3, step, comm.rank])
             x = torch.tensor(rng.integers(0, 17, size=(2, 5 + comm.rank)))
+            if early:
+                do.expect_weight(x.numel())
             for model, session in ((plain, dp), (over, do)):
                 nn.functional.cross_entropy(model(x).flatten(0, 1), x.flatten(), reduction="sum").backward()
                 session.reduce(local_weight=x.numel())
             assert over.low.weight.grad.dtype == torch.bfloat16
+            # given before backward, the weights let the thread divide as it summed
+            assert do._overlap.buckets.divided == (sum(comm.allgather(x.numel())) if early and mode == "thread" else None)
             same_grads_everywhere(comm, plain, over)
             for model in (plain, over):
                 model.zero_grad()
 
 
 @pytest.mark.mpi(min_size=2)
-def test_a_rank_of_weight_zero_counts_as_zeros_although_its_gradients_left(comm: MPI.Comm, mode: str) -> None:
-    """Rank 0 runs a real backward but says it has no tokens: its gradients, already on their way, must not count."""
+@pytest.mark.parametrize("early", [None, "zero", "real"])
+def test_a_rank_of_weight_zero_counts_as_zeros_although_its_gradients_left(comm: MPI.Comm, mode: str, early: str | None) -> None:
+    """Rank 0 runs a real backward but says it has no tokens: its gradients, already on their way, must not count.
+
+    ``early``: the weights were also given before backward, rank 0's as 0 or (wrongly) as its real count.
+    """
     (plain, dp), (over, do) = pair(TinyLM, comm, mode, **SMALL)
     with dp, do:
         for model, session in ((plain, dp), (over, do)):
-            weight = window(comm, model)
+            weight = window(comm, model, backward=False)
+            if early and session is do:
+                do.expect_weight(0 if comm.rank == 0 and early == "zero" else weight)
+            window(comm, model)
             session.reduce(local_weight=0 if comm.rank == 0 else weight, policy=ZERO)
         same_grads_everywhere(comm, plain, over)
+
+
+def test_a_weight_given_before_backward_that_reduce_contradicts_is_taken_again(comm: MPI.Comm, mode: str) -> None:
+    """The global weight agreed at reduce decides; a different one given before backward only costs time."""
+    (plain, dp), (over, do) = pair(TinyLM, comm, mode, **SMALL)
+    with dp, do:
+        for step in range(2):
+            for model, session in ((plain, dp), (over, do)):
+                weight = window(comm, model, backward=False)
+                if session is do:
+                    do.expect_weight(weight + 1 if comm.rank == step % comm.size else weight)
+                window(comm, model)
+                session.reduce(local_weight=weight, policy=ZERO)
+                model.zero_grad()
+            same_grads_everywhere(comm, plain, over)
+
+
+@pytest.mark.parametrize("weight", [-1, 2.0, True])
+def test_a_bad_weight_before_backward_is_an_error_everywhere_at_reduce(comm: MPI.Comm, where: tuple[bool, int], mode: str, weight: Any) -> None:
+    mine, bad = where
+    model = TinyLM(100, extras=False)
+    with mpidp.torch.DataParallel(model, comm, overlap=mode, **SMALL) as do:
+        tokens = window(comm, model, backward=False)
+        do.expect_weight(weight if mine else tokens)
+        window(comm, model)
+        before = grads(model)
+        same_error_everywhere(
+            comm, lambda: do.reduce(local_weight=tokens), ContractError,
+            f"rank {bad}: expect_weight takes the local weight as a non-negative int, got {weight!r}",
+        )
+        assert grads(model) == before
 
 
 @pytest.mark.parametrize("case", sorted(REDUCE_ERRORS))

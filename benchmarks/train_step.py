@@ -20,6 +20,8 @@ weights and its own AdamW; one thread per rank:
 * ``mpidp_hooks``, ``mpidp_thread``: the same with ``overlap="hooks"``
   (non-blocking calls progressed by the gradient hooks) and
   ``overlap="thread"`` (a communication thread, blocking calls);
+* ``mpidp_thread_weight``: ``overlap="thread"`` with the token count given
+  before backward (``dp.expect_weight``), so that the thread divides too;
 * ``ddp_gloo``: ``torch.nn.parallel.DistributedDataParallel`` over gloo on
   127.0.0.1 (rank and world from MPI; ``broadcast_buffers=False``, as mpidp's
   buffers are local too), its own 25 MiB buckets reduced during backward;
@@ -41,7 +43,11 @@ output's sum; nothing else is computed.
 The variants take turns step by step (the order rotates each step), every
 rank in the same variant at the same time; each step is timed in three
 parts, the slowest rank's each: forward+backward (DDP's reduction is inside
-it), the reduction left after backward, optimizer step + zero. Times are
+it), the reduction left after backward, optimizer step + zero. ``left`` is
+what the reduction adds after the *slowest* rank's backward (the end of the
+last rank's reduce minus the end of the last rank's backward): a rank whose
+backward ends early waits for the others inside the reduce, which the
+per-rank part counts but no overlap can hide. Times are
 medians over the steps; ratios (against DDP, against no communication,
 against mpidp's plain reduction) are medians of the ratios within each
 round, so that load changes cancel. The raw MPI limit of the same gradients (a 4 MiB-chunked float32
@@ -78,9 +84,13 @@ import mpidp.torch
 
 COMM = MPI.COMM_WORLD
 MIB = 1 << 20
-VARIANTS = ("local", "mpidp", "mpidp_overlap", "mpidp_hooks", "mpidp_thread", "ddp_gloo", "horovod")
+VARIANTS = ("local", "mpidp", "mpidp_overlap", "mpidp_hooks", "mpidp_thread", "mpidp_thread_weight", "ddp_gloo", "horovod")
+#: ``bucket_bytes=`` of the overlapped variants (--bucket-bytes; None: the default, ``chunk_bytes``)
+BUCKET_BYTES: list[int | None] = [None]
 #: the ``overlap=`` argument of each mpidp variant
-OVERLAP: dict[str, bool | str] = {"mpidp": False, "mpidp_overlap": True, "mpidp_hooks": "hooks", "mpidp_thread": "thread"}
+OVERLAP: dict[str, bool | str] = {
+    "mpidp": False, "mpidp_overlap": True, "mpidp_hooks": "hooks", "mpidp_thread": "thread", "mpidp_thread_weight": "thread",
+}
 
 
 # ------------------------------------------------------------------ models
@@ -279,7 +289,7 @@ class Variant:
         self.mode: str | None = None  # the overlap mode an mpidp variant runs in
         self.reduce_after: Callable[[int], None] = lambda weight: None
         if name in OVERLAP:
-            self.dp = mpidp.torch.DataParallel(model, flat_parameters=True, overlap=OVERLAP[name])
+            self.dp = mpidp.torch.DataParallel(model, flat_parameters=True, overlap=OVERLAP[name], bucket_bytes=BUCKET_BYTES[0])
             over = self.dp._overlap  # which mode overlap=True picked (benchmark only: no public accessor)
             self.mode = "off" if over is None else "thread" if over.buckets.threaded else "hooks"
             self.reduce_after = lambda weight: self.dp.reduce(local_weight=weight)
@@ -297,6 +307,8 @@ class Variant:
 
     def step(self, x: torch.Tensor, target: torch.Tensor) -> tuple[float, float, float]:
         t0 = time.perf_counter()
+        if self.name == "mpidp_thread_weight":  # the token count is known with the batch
+            self.dp.expect_weight(int((target != -100).sum()))
         loss = self.loss(self.model(x), target)
         loss.backward()
         t1 = time.perf_counter()
@@ -363,10 +375,13 @@ def bench_model(name: str, variants: tuple[str, ...], steps: int, warmup: int) -
             k = s % len(runs)
             for run in runs[k:] + runs[:k]:  # the order rotates: each variant follows each other one
                 COMM.Barrier()
-                parts = np.array(run.step(x, target))
+                fb, red, opt = run.step(x, target)
+                parts = np.array([fb, red, opt, fb, fb + red])  # the parts, then when backward and reduce ended
                 COMM.Allreduce(MPI.IN_PLACE, parts, MPI.MAX)  # the slowest rank's, part by part
+                # what the reduction adds after the slowest rank's backward (a rank that ends early waits in it: not counted)
+                left = max(0.0, float(parts[4] - parts[3]))
                 if s >= warmup:
-                    times[run.name].append((float(parts.sum()), *map(float, parts)))
+                    times[run.name].append((float(parts[:3].sum()), *map(float, parts[:3]), left))
         limit = limits(n, max(3, steps // 2))
     finally:
         for run in runs:
@@ -379,6 +394,7 @@ def bench_model(name: str, variants: tuple[str, ...], steps: int, warmup: int) -
         med = [statistics.median(c) for c in zip(*rows)]
         out["variants"][v] = {
             "step": med[0], "forward_backward": med[1], "reduce_after_backward": med[2], "optimizer": med[3],
+            "reduce_after_slowest_backward": med[4],
             "samples": [list(r) for r in rows],
         }
         if modes[v] is not None:
@@ -392,6 +408,7 @@ def bench_model(name: str, variants: tuple[str, ...], steps: int, warmup: int) -
         if v != "mpidp" and "mpidp" in times:
             # how much of the plain path's reduction after backward is left
             r["reduce_vs_mpidp"] = paired(times[v], times["mpidp"], 2)
+            r["left_vs_mpidp"] = paired(times[v], times["mpidp"], 4)
     return out
 
 
@@ -414,13 +431,13 @@ def table(result: dict[str, Any]) -> str:
                 f"  OFF-CPU stand-in of {o['real_model']}: sleeps {o['forward_sleep'] * 1e3:.1f} ms forward, "
                 f"{o['backward_sleep'] * 1e3:.1f} ms backward (the real model's here); cores free while it 'computes'"
             )
-        lines.append(f"  {'variant':20s} {'step':>8s} {'fwd+bwd':>8s} {'reduce':>8s} {'optim':>8s} {'vs DDP':>7s} {'fb/local':>8s} {'red/mpidp':>9s}")
+        lines.append(f"  {'variant':20s} {'step':>8s} {'fwd+bwd':>8s} {'reduce':>8s} {'optim':>8s} {'vs DDP':>7s} {'fb/local':>8s} {'red/mpidp':>9s} {'left':>6s} {'left/mpidp':>10s}")
         for v, r in m["variants"].items():
             label = f"{v}({r['overlap_mode']})" if v == "mpidp_overlap" else v
             lines.append(
                 f"  {label:20s} {r['step'] * 1e3:8.1f} {r['forward_backward'] * 1e3:8.1f} {r['reduce_after_backward'] * 1e3:8.1f} "
                 f"{r['optimizer'] * 1e3:8.1f} {r.get('step_vs_ddp_gloo', float('nan')):7.2f}x {r.get('forward_backward_vs_local', float('nan')):7.2f}x"
-                f" {r.get('reduce_vs_mpidp', float('nan')):8.2f}x"
+                f" {r.get('reduce_vs_mpidp', float('nan')):8.2f}x {r['reduce_after_slowest_backward'] * 1e3:6.1f} {r.get('left_vs_mpidp', float('nan')):9.2f}x"
             )
     return "\n".join(lines)
 
@@ -431,6 +448,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated: " + ", ".join(VARIANTS))
     ap.add_argument("--steps", type=int, default=12, help="timed steps per variant")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps per variant first")
+    ap.add_argument("--bucket-bytes", type=int, default=None, help="bucket_bytes of the overlapped variants (default: chunk_bytes)")
     ap.add_argument("--quick", action="store_true", help="tiny models, 2 steps: a smoke run")
     ap.add_argument("--out", default="benchmarks/results", help="folder of train-step-np<N>.json")
     args = ap.parse_args(argv)
@@ -449,13 +467,14 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
+    BUCKET_BYTES[0] = args.bucket_bytes
     torch.set_num_threads(1)  # one thread per rank
     gloo = bench.Gloo()
     started = time.time()
     result: dict[str, Any] = {
         "meta": {
             "command": " ".join([f"mpiexec -n {COMM.size} python -m mpi4py benchmarks/train_step.py", *sys.argv[1:]]),
-            "world_size": COMM.size, "steps": args.steps, "warmup": args.warmup, "quick": args.quick,
+            "world_size": COMM.size, "steps": args.steps, "warmup": args.warmup, "quick": args.quick, "bucket_bytes": args.bucket_bytes,
             "torch": torch.__version__, "mpi": MPI.Get_library_version().split("\n")[0], "cores": os.cpu_count(),
             "load_average_start": os.getloadavg(),
         },

@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "benchmarks" / "train_step.py"
 MPIEXEC = str(Path(sys.executable).with_name("mpiexec"))
 TIMEOUT = 240
-VARIANTS = {"local", "mpidp", "mpidp_overlap", "mpidp_hooks", "mpidp_thread", "ddp_gloo", "horovod"}
+VARIANTS = {"local", "mpidp", "mpidp_overlap", "mpidp_hooks", "mpidp_thread", "mpidp_thread_weight", "ddp_gloo", "horovod"}
 
 pytestmark = pytest.mark.skipif(MPI.COMM_WORLD.Get_size() > 1, reason="starts its own MPI job")
 

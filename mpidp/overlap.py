@@ -119,6 +119,7 @@ class Buckets:
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
         self._busy = False  # the thread is in a call (still at the head of the queue)
+        self._called = False  # ... and MPI has finished that call (what an exception after it must not repeat)
         self._stop = False
         #: what the communication thread raised (not MPI: the calls could still finish), until taken
         self.failure: str | None = None
@@ -210,6 +211,7 @@ class Buckets:
                     return
                 lo, hi = pending[0]
                 self._busy = True
+                self._called = False
             try:
                 self._run(lo, hi, THREAD_OPERATION)
             except CollectiveError as e:  # MPI failed inside the call: the other ranks cannot finish it
@@ -220,6 +222,8 @@ class Buckets:
                 traceback.print_exception(type(e), e, e.__traceback__, file=sys.stderr)
                 with cond:
                     self.failure = f"the communication thread failed: {type(e).__name__}: {e}"
+                    if self._called:  # MPI had it: the caller must not call it again (its division is lost, as is the window)
+                        pending.popleft()
                     self._busy = False
                     self._thread = None
                     cond.notify_all()
@@ -236,11 +240,13 @@ class Buckets:
             w, self.expected = self.expected, None
             self._weights[:] = (w or 0, w == 0, w is None)
             self.comm.Allreduce_into(self._weights, self._global, operation)
+            self._called = True
             total, zeros, unknown = (int(v) for v in self._global)
             # every rank knew its weight and none is 0 (a rank of weight 0 counts as zeros: not this sum)
             self.divided = total if total > 0 and not zeros and not unknown else None
             return
         self.comm.Allreduce_into(self.send[lo:hi], self.recv[lo:hi], operation)
+        self._called = True
         if self.divided is not None:  # as the adapters divide after the sums: float32 by float32, the same bits
             np.divide(self.recv[lo:hi], np.float32(self.divided), out=self.recv[lo:hi])
 

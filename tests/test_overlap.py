@@ -24,6 +24,7 @@ from test_torch import IGNORE, REDUCE_ERRORS, TinyLM, grads, loss_sum, micro_bat
 from torch import nn
 
 import mpidp.comm
+import mpidp.overlap
 import mpidp.torch
 from mpidp import ContractError, MissingGradientPolicy
 from mpidp.overlap import layout
@@ -326,14 +327,21 @@ def test_thread_mode_runs_a_communication_thread_that_close_joins(comm: MPI.Comm
     assert communication_threads() == []
 
 
-def test_an_exception_in_the_communication_thread_is_one_error_everywhere_then_it_recovers(comm: MPI.Comm) -> None:
-    """Not an MPI failure (the calls can still finish): the caller sums what the thread left; reduce raises everywhere."""
+@pytest.mark.parametrize("after", [False, True])
+def test_an_exception_in_the_communication_thread_is_one_error_everywhere_then_it_recovers(
+    comm: MPI.Comm, after: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Not an MPI failure (the calls can still finish): the caller sums what the thread left; reduce raises everywhere.
+
+    ``after``: the exception comes after MPI finished the call, in the thread's division (the call must not be
+    made again).
+    """
     (plain, dp), (over, do) = pair(lambda s: TinyLM(s, extras=False), comm, "thread", **SMALL)
     bad = comm.size - 1
     with dp, do:
-        if comm.rank == bad:
+        calls = iter(range(1000))
+        if comm.rank == bad and not after:
             real = do._overlap.buckets.comm.Allreduce_into
-            calls = iter(range(1000))
 
             def failing(*args: Any) -> None:
                 if next(calls) == 2:  # the third call, in backward
@@ -341,7 +349,22 @@ def test_an_exception_in_the_communication_thread_is_one_error_everywhere_then_i
                 real(*args)
 
             do._overlap.buckets.comm.Allreduce_into = failing
-        weight = window(comm, over)
+        if comm.rank == bad and after:
+
+            class Numpy:
+                def __getattr__(self, name: str) -> Any:
+                    return getattr(np, name)
+
+                def divide(self, *args: Any, **kwargs: Any) -> Any:
+                    if next(calls) == 2:
+                        raise MemoryError("injected")
+                    return np.divide(*args, **kwargs)
+
+            monkeypatch.setattr(mpidp.overlap, "np", Numpy())
+        weight = window(comm, over, backward=False)
+        if after:
+            do.expect_weight(weight)  # the thread divides after each call
+        window(comm, over)
         before = grads(over)
         same_error_everywhere(
             comm, lambda: do.reduce(local_weight=weight), ContractError, f"rank {bad}: the communication thread failed: MemoryError: injected"

@@ -430,7 +430,8 @@ class DataParallel:
             thread = progress == "thread" or (progress == "auto" and not unable and all(row[3] for row in rows))
             comm = _mpi.duplicate(self._comm.comm)
             self._buckets = overlap.Buckets(
-                comm, self._comm, self._slots.sizes, agreed, bucket_bytes // 4, self._chunk_bytes // 4, thread=thread
+                comm, self._comm, self._slots.sizes, agreed, bucket_bytes // 4, self._chunk_bytes // 4, thread=thread,
+                fatal=lambda e: guard.fatal(comm.rank, "the communication thread's Allreduce", e),
             )
             if thread and self._watchdog is not None:  # the thread's blocking calls, watched like the session's
                 self._bucket_watchdog = guard.Watchdog(comm, self._watchdog.timeout)

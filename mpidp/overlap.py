@@ -28,11 +28,11 @@ core only while it sums. Its first call of every window sums the weights
 the ranks gave before backward (:meth:`Buckets.expect`); where every rank
 gave one and none is 0, it also divides each chunk by their sum as soon as
 the chunk is summed, so that the division is no longer left for after
-backward. It needs ``MPI_THREAD_MULTIPLE``. An exception in
-it that MPI raised ends the job (:func:`mpidp.guard.fatal`: the other ranks
-could not finish the call); any other one is recorded in :attr:`failure`
-and the calling thread sums what the thread left, blocking, so that the
-window's collectives still match.
+backward. It needs ``MPI_THREAD_MULTIPLE``. An exception in it that MPI
+raised ends the job (``fatal``, from the session: :func:`mpidp.guard.fatal`;
+the other ranks could not finish the call); any other one is recorded in
+:attr:`Buckets.failure` and the calling thread sums what the thread left,
+blocking, so that the window's collectives still match.
 
 The buckets use a communicator of their own, so the window's agreement (on
 the session's communicator) may run while they are in flight. Every window
@@ -51,7 +51,6 @@ from typing import Any
 
 import numpy as np
 
-from . import guard
 from .comm import Communicator
 from .errors import CollectiveError
 
@@ -106,15 +105,18 @@ class Buckets:
     ``comm`` is the buckets' own communicator (a duplicate); ``watched`` is
     the session's, whose watchdog sees :meth:`wait` and :meth:`redo`.
     ``thread``: a communication thread sums the buckets (module docstring;
-    the caller watches ``comm``'s blocking calls and calls :meth:`close`).
+    the caller watches ``comm``'s blocking calls and calls :meth:`close`);
+    ``fatal(error)`` ends the job when MPI fails inside it.
     """
 
     def __init__(
         self, comm: Communicator, watched: Communicator, sizes: Sequence[int], order: Sequence[int], bucket: int, chunk: int,
-        thread: bool = False,
+        thread: bool = False, fatal: Callable[[BaseException], None] | None = None,
     ) -> None:
         self.comm = comm
         self.threaded = thread
+        #: what ends the job when MPI fails inside the thread (:func:`mpidp.guard.fatal`, given by the session)
+        self._fatal = fatal
         #: guards the queue, :attr:`failure` and the thread's state; the thread waits on it for work
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
@@ -215,7 +217,8 @@ class Buckets:
             try:
                 self._run(lo, hi, THREAD_OPERATION)
             except CollectiveError as e:  # MPI failed inside the call: the other ranks cannot finish it
-                guard.fatal(self.comm.rank, "the communication thread's Allreduce", e)
+                if self._fatal is not None:
+                    self._fatal(e)
                 raise
             except BaseException as e:  # noqa: BLE001 - this rank's error at the next reduce; the caller sums the rest
                 sys.stderr.write(f"mpidp: the communication thread failed on rank {self.comm.rank}; the next reduce raises:\n")

@@ -62,3 +62,18 @@ def test_quick_run_times_every_variant_in_parts(tmp_path: Path) -> None:
         assert m["variants"]["mpidp_overlap"]["overlap_mode"] in ("hooks", "thread") and m["variants"]["mpidp"]["overlap_mode"] == "off"
         assert name in p.stdout
     assert "vs DDP" in p.stdout
+
+
+def test_the_overlap_timeline_probe_shows_the_threads_calls_and_the_agreement() -> None:
+    try:
+        p = subprocess.run(
+            [MPIEXEC, "-n", "2", sys.executable, "-m", "mpi4py", str(ROOT / "benchmarks" / "overlap_timeline.py"),
+             "--model", "offcpu-gpt2-tiny", "--steps", "2", "--show", "1"],
+            check=False, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=TIMEOUT, env=clean_env(), cwd=ROOT,
+        )
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"the overlap timeline did not finish in {TIMEOUT} s:\n{e.output}")
+    assert p.returncode == 0, p.stdout
+    assert "step 1: backward ended at" in p.stdout and "step 0:" not in p.stdout, p.stdout
+    for label in ("queue", "call", "agreement"):
+        assert f"  {label}" in p.stdout, (label, p.stdout)

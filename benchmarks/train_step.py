@@ -14,8 +14,14 @@ weights and its own AdamW; one thread per rank:
   it at the same time, so the machine is as loaded as for the others);
 * ``mpidp``: ``mpidp.torch.DataParallel(model, flat_parameters=True)``,
   ``dp.reduce(local_weight=tokens)`` after backward, ``dp.zero_grad()``;
-* ``mpidp_overlap``: the same with ``overlap=True``: buckets reduced while
-  backward runs, finished by ``reduce``;
+* ``mpidp_overlap``: the same with ``overlap=True`` (auto: the mode it
+  picks is recorded as ``overlap_mode``): buckets reduced while backward
+  runs, finished by ``reduce``;
+* ``mpidp_hooks``, ``mpidp_thread``: the same with ``overlap="hooks"``
+  (non-blocking calls progressed by the gradient hooks) and
+  ``overlap="thread"`` (a communication thread, blocking calls);
+* ``mpidp_thread_weight``: ``overlap="thread"`` with the token count given
+  before backward (``dp.expect_weight``), so that the thread divides too;
 * ``ddp_gloo``: ``torch.nn.parallel.DistributedDataParallel`` over gloo on
   127.0.0.1 (rank and world from MPI; ``broadcast_buffers=False``, as mpidp's
   buffers are local too), its own 25 MiB buckets reduced during backward;
@@ -23,10 +29,25 @@ weights and its own AdamW; one thread per rank:
   tensors in order into 4 MiB Allreduce calls over MPI, then a division) on
   the ``.grad`` tensors after backward.
 
+The ``offcpu-*`` models are a clearly labelled stand-in for a GPU-like
+device: the same parameters (names, shapes, ties) as the real model of that
+name, but every module's forward and backward is a ``torch.autograd.Function``
+that *sleeps* (``time.sleep``: the core is free and the GIL released, as
+while a GPU computes) for a time proportional to its parameter count, and
+returns ``torch.full_like`` gradients, so post-accumulate-grad hooks fire
+module by module in backward order. The sleeps are calibrated at start-up so
+that forward and backward take what the real model's take here (medians over
+a few steps, every rank at once, the slowest rank's). The loss is the
+output's sum; nothing else is computed.
+
 The variants take turns step by step (the order rotates each step), every
 rank in the same variant at the same time; each step is timed in three
 parts, the slowest rank's each: forward+backward (DDP's reduction is inside
-it), the reduction left after backward, optimizer step + zero. Times are
+it), the reduction left after backward, optimizer step + zero. ``left`` is
+what the reduction adds after the *slowest* rank's backward (the end of the
+last rank's reduce minus the end of the last rank's backward): a rank whose
+backward ends early waits for the others inside the reduce, which the
+per-rank part counts but no overlap can hide. Times are
 medians over the steps; ratios (against DDP, against no communication,
 against mpidp's plain reduction) are medians of the ratios within each
 round, so that load changes cancel. The raw MPI limit of the same gradients (a 4 MiB-chunked float32
@@ -63,7 +84,13 @@ import mpidp.torch
 
 COMM = MPI.COMM_WORLD
 MIB = 1 << 20
-VARIANTS = ("local", "mpidp", "mpidp_overlap", "ddp_gloo", "horovod")
+VARIANTS = ("local", "mpidp", "mpidp_overlap", "mpidp_hooks", "mpidp_thread", "mpidp_thread_weight", "ddp_gloo", "horovod")
+#: ``bucket_bytes=`` of the overlapped variants (--bucket-bytes; None: the default, ``chunk_bytes``)
+BUCKET_BYTES: list[int | None] = [None]
+#: the ``overlap=`` argument of each mpidp variant
+OVERLAP: dict[str, bool | str] = {
+    "mpidp": False, "mpidp_overlap": True, "mpidp_hooks": "hooks", "mpidp_thread": "thread", "mpidp_thread_weight": "thread",
+}
 
 
 # ------------------------------------------------------------------ models
@@ -164,11 +191,83 @@ def _images(batch: int, classes: int) -> Callable[[int, torch.Generator], tuple[
     return make
 
 
+# ---------------------------------------------------- off-CPU stand-ins
+
+
+class Sleeps(torch.autograd.Function):
+    """One off-CPU module: forward and backward sleep (core free, GIL released) and return cheap values."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, forward: float, backward: float, *params: torch.Tensor) -> torch.Tensor:
+        ctx.backward_seconds, ctx.params = backward, params
+        time.sleep(forward)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
+        time.sleep(ctx.backward_seconds)
+        return (g, None, None, *(torch.full_like(p, 1e-3) for p in ctx.params))
+
+
+class OffCPU(nn.Module):
+    """The real model's parameters under the same names; each module with parameters is one :class:`Sleeps` in order."""
+
+    def __init__(self, real: nn.Module, forward: float, backward: float) -> None:
+        super().__init__()
+        for name, child in real.named_children():
+            self.add_module(name, child)
+        if isinstance(real, GPT):
+            self.head.weight = self.wte.weight  # add_module kept the tie; say it again for the reader
+        modules = [list(m.parameters(recurse=False)) for m in self.modules() if m is not self]
+        groups = [g for g in modules if g]
+        total = sum(p.numel() for g in groups for p in g)  # a tied weight counts where it is used: its work is
+        self.layers = [(forward * sum(p.numel() for p in g) / total, backward * sum(p.numel() for p in g) / total, g) for g in groups]
+
+    def forward(self, _: torch.Tensor) -> torch.Tensor:
+        x = torch.zeros(1)
+        for f, b, params in self.layers:
+            x = Sleeps.apply(x, f, b, *params)
+        return x
+
+
+def calibrate(name: str, reps: int = 3) -> tuple[float, float]:
+    """The real model's forward and backward seconds here: medians over ``reps`` steps after one, slowest rank's."""
+    make, batch = MODELS[name]
+    torch.manual_seed(1234)
+    model = make()
+    x, target = batch(COMM.rank, torch.Generator().manual_seed(COMM.rank + 1))
+    times = []
+    for r in range(reps + 1):
+        COMM.Barrier()
+        t0 = time.perf_counter()
+        loss = real_loss(model(x), target)
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
+        model.zero_grad()
+        if r:
+            parts = np.array([t1 - t0, t2 - t1])
+            COMM.Allreduce(MPI.IN_PLACE, parts, MPI.MAX)
+            times.append(tuple(parts))
+    f, b = (statistics.median(c) for c in zip(*times))
+    return float(f), float(b)
+
+
+def real_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out.flatten(0, -2), target.flatten(), ignore_index=-100, reduction="sum")
+
+
+def offcpu_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return out.sum()
+
+
 MODELS["gpt2-29m"] = (lambda: GPT(50257, 384, 6, 6, 32), _tokens(50257, 1, 32))  # 29.7 M parameters, batch 1x32
 MODELS["gpt2-5m"] = (lambda: GPT(8192, 256, 4, 4, 32), _tokens(8192, 1, 32))
 MODELS["resnet-3m"] = (lambda: ResNet((32, 64, 128, 256), 10), _images(8, 10))
 MODELS["gpt2-tiny"] = (lambda: GPT(512, 64, 2, 2, 16), _tokens(512, 1, 16))  # the smoke run's
 MODELS["resnet-tiny"] = (lambda: ResNet((8, 16), 10), _images(2, 10))
+#: off-CPU stand-ins: name -> the real model they copy (the sleeps are calibrated on it in each run)
+OFFCPU = {f"offcpu-{m}": m for m in ("gpt2-5m", "gpt2-29m", "resnet-3m", "gpt2-tiny")}
 
 
 # ---------------------------------------------------------------- variants
@@ -177,16 +276,22 @@ MODELS["resnet-tiny"] = (lambda: ResNet((8, 16), 10), _images(2, 10))
 class Variant:
     """One way to train: a model copy, its optimizer, and the step in three timed parts."""
 
-    def __init__(self, name: str, make: Callable[[], nn.Module], state: dict[str, torch.Tensor]) -> None:
+    def __init__(
+        self, name: str, make: Callable[[], nn.Module], state: dict[str, torch.Tensor],
+        loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = real_loss,
+    ) -> None:
         self.name = name
+        self.loss = loss
         model = make()
         model.load_state_dict(state)
         self.model: nn.Module = model
         self.dp: Any = None
+        self.mode: str | None = None  # the overlap mode an mpidp variant runs in
         self.reduce_after: Callable[[int], None] = lambda weight: None
-        if name in ("mpidp", "mpidp_overlap"):
-            options = {"overlap": True} if name == "mpidp_overlap" else {}
-            self.dp = mpidp.torch.DataParallel(model, flat_parameters=True, **options)
+        if name in OVERLAP:
+            self.dp = mpidp.torch.DataParallel(model, flat_parameters=True, overlap=OVERLAP[name], bucket_bytes=BUCKET_BYTES[0])
+            over = self.dp._overlap  # which mode overlap=True picked (benchmark only: no public accessor)
+            self.mode = "off" if over is None else "thread" if over.buckets.threaded else "hooks"
             self.reduce_after = lambda weight: self.dp.reduce(local_weight=weight)
         elif name == "ddp_gloo":
             warnings.filterwarnings("ignore", "`broadcast_buffers` is deprecated", FutureWarning)  # its own advice: keep it
@@ -202,7 +307,9 @@ class Variant:
 
     def step(self, x: torch.Tensor, target: torch.Tensor) -> tuple[float, float, float]:
         t0 = time.perf_counter()
-        loss = F.cross_entropy(self.model(x).flatten(0, -2), target.flatten(), ignore_index=-100, reduction="sum")
+        if self.name == "mpidp_thread_weight":  # the token count is known with the batch
+            self.dp.expect_weight(int((target != -100).sum()))
+        loss = self.loss(self.model(x), target)
         loss.backward()
         t1 = time.perf_counter()
         self.reduce_after(int((target != -100).sum()))
@@ -221,16 +328,21 @@ class Variant:
 
 
 def limits(n: int, reps: int) -> dict[str, float]:
-    """Medians of the raw MPI limit (4 MiB-chunked float32 Allreduce of ``n`` values) and of gloo's all_reduce of them."""
+    """Medians of the raw MPI limit (4 MiB-chunked float32 Allreduce of ``n`` values), of gloo's all_reduce of them,
+    and of one division pass over them (what every reduction does after its sums, into another buffer)."""
     buf = np.ones(n, np.float32)
+    into = np.empty_like(buf)
     mpi = bench.raw_allreduce(buf, 4 * MIB)
     t = torch.from_numpy(buf)
-    out: dict[str, list[float]] = {"mpi_allreduce": [], "gloo_allreduce": []}
+    runs: dict[str, Callable[[], Any]] = {
+        "mpi_allreduce": mpi, "gloo_allreduce": lambda: dist.all_reduce(t), "division": lambda: np.divide(buf, np.float32(3), out=into),
+    }
+    out: dict[str, list[float]] = {k: [] for k in runs}
     for r in range(reps + 1):
         for key in sorted(out, reverse=r % 2 == 1):
             COMM.Barrier()
             t0 = time.perf_counter()
-            mpi() if key == "mpi_allreduce" else dist.all_reduce(t)
+            runs[key]()
             dt = COMM.allreduce(time.perf_counter() - t0, op=MPI.MAX)
             if r:  # the first round warms up
                 out[key].append(dt)
@@ -238,11 +350,23 @@ def limits(n: int, reps: int) -> dict[str, float]:
 
 
 def bench_model(name: str, variants: tuple[str, ...], steps: int, warmup: int) -> dict[str, Any]:
-    make, batch = MODELS[name]
+    calibrated: tuple[float, float] | None = None
+    loss = real_loss
+    if name in OFFCPU:
+        real_make, batch = MODELS[OFFCPU[name]]
+        calibrated = calibrate(OFFCPU[name])
+        f, b = calibrated
+
+        def make() -> nn.Module:
+            return OffCPU(real_make(), f, b)
+
+        loss = offcpu_loss
+    else:
+        make, batch = MODELS[name]
     torch.manual_seed(1234)  # the same initial weights everywhere (and mpidp / DDP broadcast rank 0's)
     state = make().state_dict()
     x, target = batch(COMM.rank, torch.Generator().manual_seed(COMM.rank + 1))
-    runs = [Variant(v, make, state) for v in variants]
+    runs = [Variant(v, make, state, loss) for v in variants]
     trainable = dict.fromkeys(p for p in runs[0].model.parameters() if p.requires_grad)
     n = sum(p.numel() for p in trainable)
     times: dict[str, list[tuple[float, ...]]] = {v: [] for v in variants}
@@ -251,21 +375,30 @@ def bench_model(name: str, variants: tuple[str, ...], steps: int, warmup: int) -
             k = s % len(runs)
             for run in runs[k:] + runs[:k]:  # the order rotates: each variant follows each other one
                 COMM.Barrier()
-                parts = np.array(run.step(x, target))
+                fb, red, opt = run.step(x, target)
+                parts = np.array([fb, red, opt, fb, fb + red])  # the parts, then when backward and reduce ended
                 COMM.Allreduce(MPI.IN_PLACE, parts, MPI.MAX)  # the slowest rank's, part by part
+                # what the reduction adds after the slowest rank's backward (a rank that ends early waits in it: not counted)
+                left = max(0.0, float(parts[4] - parts[3]))
                 if s >= warmup:
-                    times[run.name].append((float(parts.sum()), *map(float, parts)))
+                    times[run.name].append((float(parts[:3].sum()), *map(float, parts[:3]), left))
         limit = limits(n, max(3, steps // 2))
     finally:
         for run in runs:
             run.close()
     out: dict[str, Any] = {"parameters": n, "gradient_bytes": 4 * n, "limits": limit, "variants": {}}
+    if calibrated is not None:
+        out["offcpu"] = {"real_model": OFFCPU[name], "forward_sleep": calibrated[0], "backward_sleep": calibrated[1]}
+    modes = {run.name: run.mode for run in runs}
     for v, rows in times.items():
         med = [statistics.median(c) for c in zip(*rows)]
         out["variants"][v] = {
             "step": med[0], "forward_backward": med[1], "reduce_after_backward": med[2], "optimizer": med[3],
+            "reduce_after_slowest_backward": med[4],
             "samples": [list(r) for r in rows],
         }
+        if modes[v] is not None:
+            out["variants"][v]["overlap_mode"] = modes[v]
     for v, r in out["variants"].items():  # ratios of the same round's steps (load changes cancel), medians
         for base in ("ddp_gloo", "local"):
             if base in times:
@@ -275,6 +408,7 @@ def bench_model(name: str, variants: tuple[str, ...], steps: int, warmup: int) -
         if v != "mpidp" and "mpidp" in times:
             # how much of the plain path's reduction after backward is left
             r["reduce_vs_mpidp"] = paired(times[v], times["mpidp"], 2)
+            r["left_vs_mpidp"] = paired(times[v], times["mpidp"], 4)
     return out
 
 
@@ -289,34 +423,42 @@ def table(result: dict[str, Any]) -> str:
         lim = m["limits"]
         lines.append(
             f"\n{name}: {m['parameters'] / 1e6:.1f} M parameters; gradients' Allreduce alone: "
-            f"MPI {lim['mpi_allreduce'] * 1e3:.1f} ms, gloo {lim['gloo_allreduce'] * 1e3:.1f} ms"
+            f"MPI {lim['mpi_allreduce'] * 1e3:.1f} ms, gloo {lim['gloo_allreduce'] * 1e3:.1f} ms; one division pass {lim['division'] * 1e3:.1f} ms"
         )
-        lines.append(f"  {'variant':15s} {'step':>8s} {'fwd+bwd':>8s} {'reduce':>8s} {'optim':>8s} {'vs DDP':>7s} {'fb/local':>8s} {'red/mpidp':>9s}")
-        for v, r in m["variants"].items():
+        if "offcpu" in m:
+            o = m["offcpu"]
             lines.append(
-                f"  {v:15s} {r['step'] * 1e3:8.1f} {r['forward_backward'] * 1e3:8.1f} {r['reduce_after_backward'] * 1e3:8.1f} "
+                f"  OFF-CPU stand-in of {o['real_model']}: sleeps {o['forward_sleep'] * 1e3:.1f} ms forward, "
+                f"{o['backward_sleep'] * 1e3:.1f} ms backward (the real model's here); cores free while it 'computes'"
+            )
+        lines.append(f"  {'variant':20s} {'step':>8s} {'fwd+bwd':>8s} {'reduce':>8s} {'optim':>8s} {'vs DDP':>7s} {'fb/local':>8s} {'red/mpidp':>9s} {'left':>6s} {'left/mpidp':>10s}")
+        for v, r in m["variants"].items():
+            label = f"{v}({r['overlap_mode']})" if v == "mpidp_overlap" else v
+            lines.append(
+                f"  {label:20s} {r['step'] * 1e3:8.1f} {r['forward_backward'] * 1e3:8.1f} {r['reduce_after_backward'] * 1e3:8.1f} "
                 f"{r['optimizer'] * 1e3:8.1f} {r.get('step_vs_ddp_gloo', float('nan')):7.2f}x {r.get('forward_backward_vs_local', float('nan')):7.2f}x"
-                f" {r.get('reduce_vs_mpidp', float('nan')):8.2f}x"
+                f" {r.get('reduce_vs_mpidp', float('nan')):8.2f}x {r['reduce_after_slowest_backward'] * 1e3:6.1f} {r.get('left_vs_mpidp', float('nan')):9.2f}x"
             )
     return "\n".join(lines)
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--models", default="gpt2-29m,gpt2-5m,resnet-3m", help="comma-separated: " + ", ".join(MODELS))
+    ap.add_argument("--models", default="gpt2-29m,gpt2-5m,resnet-3m", help="comma-separated: " + ", ".join([*MODELS, *OFFCPU]))
     ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated: " + ", ".join(VARIANTS))
     ap.add_argument("--steps", type=int, default=12, help="timed steps per variant")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps per variant first")
+    ap.add_argument("--bucket-bytes", type=int, default=None, help="bucket_bytes of the overlapped variants (default: chunk_bytes)")
     ap.add_argument("--quick", action="store_true", help="tiny models, 2 steps: a smoke run")
     ap.add_argument("--out", default="benchmarks/results", help="folder of train-step-np<N>.json")
     args = ap.parse_args(argv)
     if args.quick:
-        args.models, args.steps, args.warmup = "gpt2-tiny,resnet-tiny", 2, 1
+        args.models, args.steps, args.warmup = "gpt2-tiny,resnet-tiny,offcpu-gpt2-tiny", 2, 1
     args.models = tuple(m for m in args.models.split(",") if m)
     args.variants = tuple(v for v in args.variants.split(",") if v)
     for m in args.models:
-        if m not in MODELS:
-            ap.error(f"unknown model {m!r}; choose from {', '.join(MODELS)}")
+        if m not in MODELS and m not in OFFCPU:
+            ap.error(f"unknown model {m!r}; choose from {', '.join([*MODELS, *OFFCPU])}")
     for v in args.variants:
         if v not in VARIANTS:
             ap.error(f"unknown variant {v!r}; choose from {', '.join(VARIANTS)}")
@@ -325,13 +467,14 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
+    BUCKET_BYTES[0] = args.bucket_bytes
     torch.set_num_threads(1)  # one thread per rank
     gloo = bench.Gloo()
     started = time.time()
     result: dict[str, Any] = {
         "meta": {
             "command": " ".join([f"mpiexec -n {COMM.size} python -m mpi4py benchmarks/train_step.py", *sys.argv[1:]]),
-            "world_size": COMM.size, "steps": args.steps, "warmup": args.warmup, "quick": args.quick,
+            "world_size": COMM.size, "steps": args.steps, "warmup": args.warmup, "quick": args.quick, "bucket_bytes": args.bucket_bytes,
             "torch": torch.__version__, "mpi": MPI.Get_library_version().split("\n")[0], "cores": os.cpu_count(),
             "load_average_start": os.getloadavg(),
         },

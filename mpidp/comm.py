@@ -11,6 +11,7 @@ are how the rest of mpidp reaches MPI otherwise.
 from __future__ import annotations
 
 import io
+import os
 import pickle
 import time
 from collections.abc import Callable
@@ -21,7 +22,7 @@ from mpi4py import MPI
 
 from .errors import CollectiveError, ContractError
 
-__all__ = ["Communicator", "MPIComm", "World", "abort", "duplicate", "loads", "world"]
+__all__ = ["Communicator", "MPIComm", "World", "abort", "duplicate", "free_cores", "loads", "thread_multiple", "world"]
 
 #: the user's communicator type, for the other modules' annotations (they import no mpi4py)
 MPIComm = MPI.Comm
@@ -155,7 +156,7 @@ class Communicator:
             self.operation = None
 
     def Allreduce_into(self, send: np.ndarray, recv: np.ndarray, operation: str = "Allreduce") -> None:
-        """Sum float32 host buffer ``send`` over all ranks into ``recv``."""
+        """Sum host buffer ``send`` (float32, or int64 for weights) over all ranks into ``recv``."""
         self._enter(operation)
         try:
             self.comm.Allreduce(send, recv, MPI.SUM)
@@ -214,6 +215,32 @@ class World(NamedTuple):
 def world() -> World:
     """This process's place in ``COMM_WORLD`` and the MPI library's version (local)."""
     return World(MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size(), MPI.Get_library_version())
+
+
+def thread_multiple() -> bool:
+    """Whether MPI was initialized with ``MPI_THREAD_MULTIPLE`` (mpi4py asks for it by default; local)."""
+    return bool(MPI.Query_thread() >= MPI.THREAD_MULTIPLE)
+
+
+def free_cores(comm: Communicator, threads: int) -> bool:
+    """Whether this node has a core for a communication thread per rank besides ``threads`` computing ones (collective).
+
+    True when the cores this process may run on are at least the ranks of
+    ``comm`` on this node (``MPI_COMM_TYPE_SHARED``) times ``threads + 1``.
+    """
+    comm._enter("reduction_buckets: ranks on this node")
+    try:
+        node = comm.comm.Split_type(MPI.COMM_TYPE_SHARED)
+        try:
+            ranks = node.Get_size()
+        finally:
+            node.Free()
+    except MPI.Exception as e:
+        raise comm._fail("MPI_Comm_split_type", e) from e
+    finally:
+        comm.operation = None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return cores >= ranks * (threads + 1)
 
 
 def abort(code: int = 1) -> None:

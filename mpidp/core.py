@@ -110,6 +110,7 @@ class DataParallel:
         self._closed = False
         self._failed: str | None = None  # set by the first CollectiveError: the session is unusable
         self._buckets: overlap.Buckets | None = None  # reduction buckets filled during backward, once asked for
+        self._bucket_watchdog: guard.Watchdog | None = None  # watches the buckets' communication thread
 
     # ------------------------------------------------------------------ set-up
 
@@ -388,7 +389,7 @@ class DataParallel:
             )
         return {g.name: a for g, a in zip(self._slots.groups, self._cache.flat.arrays)}
 
-    def reduction_buckets(self, order: Sequence[int], bucket_bytes: int) -> overlap.Buckets:
+    def reduction_buckets(self, order: Sequence[int], bucket_bytes: int, progress: str = "hooks", threads: int = 1) -> overlap.Buckets:
         """Return the session's reduction buckets (:mod:`mpidp.overlap`), made on the first call.
 
         Collective on the first call (every rank must make them; later calls
@@ -399,17 +400,41 @@ class DataParallel:
         of its own) and are summed in calls of at most ``chunk_bytes``, on a
         duplicate of the session's communicator. Host sessions only: ContractError on every rank for a
         session on a device.
+
+        ``progress`` (the same on every rank) says who sums them: ``"hooks"``
+        (non-blocking calls, progressed by the caller), ``"thread"`` (a
+        communication thread, watched by a watchdog of the session's timeout;
+        ContractError on every rank where a rank's MPI lacks
+        ``MPI_THREAD_MULTIPLE``) or ``"auto"``: the thread where every rank
+        has it and its node has a core free for it besides ``threads``
+        computing threads per rank (:func:`mpidp.comm.free_cores`), else hooks.
         """
         self._usable()
         if self._buckets is None:
-            orders = self._comm.allgather_obj([int(i) for i in order], "reduction_buckets: order")
-            agreed = orders[self._root]
+            free = _mpi.free_cores(self._comm, threads)  # collective: every rank, whatever it asks for
+            mine = [[int(i) for i in order], progress, _mpi.thread_multiple(), free]
+            rows = self._comm.allgather_obj(mine, "reduction_buckets: order and progress")
+            agreed = rows[self._root][0]
             if sorted(agreed) != list(range(len(self._slots))):
                 raise ContractError(f"root's bucket order is not a permutation of the {len(self._slots)} reduction slots")
             if self._device != "cpu":
                 raise ContractError(f"reduction buckets hold host memory; this session's device is {self._device}")
+            asked = sorted({str(r[1]) for r in rows})
+            if len(asked) > 1:
+                raise ContractError(f"ranks ask for different overlap progress modes: {', '.join(asked)}")
+            unable = [r for r, row in enumerate(rows) if not row[2]]
+            if progress == "thread" and unable:
+                raise ContractError(
+                    f"overlap='thread' needs MPI_THREAD_MULTIPLE, which MPI did not provide on rank(s) {', '.join(map(str, unable))}"
+                )
+            thread = progress == "thread" or (progress == "auto" and not unable and all(row[3] for row in rows))
             comm = _mpi.duplicate(self._comm.comm)
-            self._buckets = overlap.Buckets(comm, self._comm, self._slots.sizes, agreed, bucket_bytes // 4, self._chunk_bytes // 4)
+            self._buckets = overlap.Buckets(
+                comm, self._comm, self._slots.sizes, agreed, bucket_bytes // 4, self._chunk_bytes // 4, thread=thread,
+                fatal=lambda e: guard.fatal(comm.rank, "the communication thread's Allreduce", e),
+            )
+            if thread and self._watchdog is not None:  # the thread's blocking calls, watched like the session's
+                self._bucket_watchdog = guard.Watchdog(comm, self._watchdog.timeout)
         return self._buckets
 
     def reduce_buckets(
@@ -425,7 +450,8 @@ class DataParallel:
         next window starts clean. Otherwise ``fill(slot)`` fills each slot the
         backward did not make ready, every bucket is finished, and the buckets'
         ``sums`` hold the sums over the ranks (a rank of weight 0 counted as
-        zeros) for the caller to divide by the global weight.
+        zeros) for the caller to divide by the global weight, or, where the
+        buckets' :attr:`~mpidp.overlap.Buckets.divided` is set, already divided by it.
         """
         buckets = self._buckets
         assert buckets is not None, "reduction_buckets() first"
@@ -438,9 +464,14 @@ class DataParallel:
             raise
         try:
             buckets.flush(fill)
-            handed = self._comm.Allgather(np.array([buckets.handed], np.int64), f"{operation}: calls started")
-            buckets.finish(int(handed.max()), operation)
-            if agreed.zero_weight:  # its gradients left during backward: sum again, counting them as zeros
+            if buckets.threaded:
+                buckets.finish(0, operation)
+                self._thread_failures(buckets, operation)
+            else:
+                handed = self._comm.Allgather(np.array([buckets.handed], np.int64), f"{operation}: calls started")
+                buckets.finish(int(handed.max()), operation)
+            stale = buckets.divided is not None and buckets.divided != agreed.global_weight  # weights given before backward were not these
+            if agreed.zero_weight or stale:  # its gradients left during backward: sum again, counting them as zeros
                 buckets.redo(agreed.weight == 0, operation)
         except CollectiveError as e:
             self._failed = str(e)
@@ -448,6 +479,15 @@ class DataParallel:
         finally:
             buckets.reset()
         return agreed
+
+    def _thread_failures(self, buckets: overlap.Buckets, operation: str) -> None:
+        """Raise one ContractError on every rank if any rank's communication thread failed in this window (collective)."""
+        failure = buckets.take_failure()
+        flags = self._comm.Allgather(np.array([failure is not None], np.int8), f"{operation}: communication threads")
+        if flags.any():
+            failures = self._comm.allgather_obj(failure, f"{operation}: communication thread failures")
+            bad = int(np.flatnonzero(flags)[0])
+            raise ContractError(f"rank {bad}: {failures[bad]}")
 
     def zero_gradients(self) -> None:
         """Set every array of :meth:`gradient_buffers` to zero (local, one fill per dtype)."""
@@ -551,6 +591,9 @@ class DataParallel:
             if self._buckets is not None:
                 if self._failed is None:
                     self._buckets.drain("close: Iallreduce")  # every rank starts every bucket of a window
+                self._buckets.close()
+                if self._bucket_watchdog is not None:
+                    self._bucket_watchdog.close()
                 self._buckets.comm.close()
             self._comm.close()  # watched, like every collective of the session
         finally:

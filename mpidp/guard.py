@@ -8,12 +8,13 @@ import os
 import sys
 import threading
 import time
+import traceback
 from types import TracebackType
 
 from . import comm as _mpi
 from .comm import Communicator
 
-__all__ = ["DEFAULT_TIMEOUT", "Watchdog", "install_abort_hook", "resolve_timeout", "timeout_from_env"]
+__all__ = ["DEFAULT_TIMEOUT", "Watchdog", "fatal", "install_abort_hook", "resolve_timeout", "timeout_from_env"]
 
 #: the watchdog's seconds when neither ``timeout=`` nor ``MPIDP_TIMEOUT`` says otherwise: 30 minutes,
 #: torch.distributed's default collective timeout, so that no hang is silent by default
@@ -59,6 +60,19 @@ def install_abort_hook(rank: int, enabled: bool = True) -> None:
 
     sys.excepthook = hook
     _installed = True
+
+
+def fatal(rank: int, where: str, error: BaseException) -> None:
+    """Print ``error``'s traceback and abort the MPI job: a thread of mpidp failed where the collectives cannot finish.
+
+    Unlike :func:`install_abort_hook`, whatever ``abort_on_exception`` says:
+    the other ranks would otherwise wait in a collective this rank never ends.
+    """
+    sys.stderr.write(f"mpidp: {where} failed on rank {rank}; aborting the MPI job\n")
+    traceback.print_exception(type(error), error, error.__traceback__, file=sys.stderr)
+    sys.stderr.flush()
+    time.sleep(_FORWARD_SECONDS)  # as in the abort hook: let the launcher forward the traceback
+    _mpi.abort(1)
 
 
 def timeout_from_env() -> float | None:

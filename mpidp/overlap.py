@@ -19,6 +19,21 @@ thread, and returns at once) and hands queued calls to MPI, at most
 :data:`DEPTH` at a time. :meth:`Buckets.finish` then sums what no rank had
 handed to MPI with blocking calls, faster in MPICH.
 
+With ``thread=True`` (the same on every rank: blocking and non-blocking
+collectives do not match) a daemon *communication thread* sums the buckets
+instead: :meth:`ready` only queues complete buckets and wakes it; it runs
+each call as a blocking Allreduce (faster in MPICH than non-blocking ones)
+and sleeps on a condition variable when nothing is queued, so it takes a
+core only while it sums. Its first call of every window sums the weights
+the ranks gave before backward (:meth:`Buckets.expect`); where every rank
+gave one and none is 0, it also divides each chunk by their sum as soon as
+the chunk is summed, so that the division is no longer left for after
+backward. It needs ``MPI_THREAD_MULTIPLE``. An exception in it that MPI
+raised ends the job (``fatal``, from the session: :func:`mpidp.guard.fatal`;
+the other ranks could not finish the call); any other one is recorded in
+:attr:`Buckets.failure` and the calling thread sums what the thread left,
+blocking, so that the window's collectives still match.
+
 The buckets use a communicator of their own, so the window's agreement (on
 the session's communicator) may run while they are in flight. Every window
 starts every bucket exactly once, on every rank, whatever happens: a window
@@ -27,6 +42,9 @@ that raises, and ``close``, flush and wait first.
 
 from __future__ import annotations
 
+import sys
+import threading
+import traceback
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -34,6 +52,7 @@ from typing import Any
 import numpy as np
 
 from .comm import Communicator
+from .errors import CollectiveError
 
 __all__ = ["DEPTH", "Buckets", "layout"]
 
@@ -41,6 +60,11 @@ __all__ = ["DEPTH", "Buckets", "layout"]
 #: in 1 MiB Iallreduce calls 2-3x slower with every call started at once than with 1-2 in flight
 #: (docs/performance.md, "Overlap with backward"; its blocking Allreduce is faster still).
 DEPTH = 2
+
+#: what the communication thread's calls are called (the buckets' watchdog reports it)
+THREAD_OPERATION = "reduce: Allreduce (communication thread)"
+#: the thread's first call of every window, before the first bucket's: the weights known before backward
+WEIGHTS = (-1, -1)
 
 
 def layout(
@@ -80,12 +104,33 @@ class Buckets:
 
     ``comm`` is the buckets' own communicator (a duplicate); ``watched`` is
     the session's, whose watchdog sees :meth:`wait` and :meth:`redo`.
+    ``thread``: a communication thread sums the buckets (module docstring;
+    the caller watches ``comm``'s blocking calls and calls :meth:`close`);
+    ``fatal(error)`` ends the job when MPI fails inside it.
     """
 
     def __init__(
-        self, comm: Communicator, watched: Communicator, sizes: Sequence[int], order: Sequence[int], bucket: int, chunk: int
+        self, comm: Communicator, watched: Communicator, sizes: Sequence[int], order: Sequence[int], bucket: int, chunk: int,
+        thread: bool = False, fatal: Callable[[BaseException], None] | None = None,
     ) -> None:
         self.comm = comm
+        self.threaded = thread
+        #: what ends the job when MPI fails inside the thread (:func:`mpidp.guard.fatal`, given by the session)
+        self._fatal = fatal
+        #: guards the queue, :attr:`failure` and the thread's state; the thread waits on it for work
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._busy = False  # the thread is in a call (still at the head of the queue)
+        self._called = False  # ... and MPI has finished that call (what an exception after it must not repeat)
+        self._stop = False
+        #: what the communication thread raised (not MPI: the calls could still finish), until taken
+        self.failure: str | None = None
+        #: this rank's weight for the coming window, if known before its backward (:meth:`expect`)
+        self.expected: int | None = None
+        #: the global weight the thread divided this window's sums by (None: not divided), until the next window
+        self.divided: int | None = None
+        self._weights = np.zeros(3, np.int64)  # this rank's (weight, weight == 0, weight unknown); their sums
+        self._global = np.zeros(3, np.int64)
         self.watched = watched
         offset, self._slots, self._calls = layout(sizes, order, bucket, chunk)
         total = sum(sizes)
@@ -141,11 +186,118 @@ class Buckets:
         self.progress()
 
     def _queue(self, k: int) -> None:
-        self._pending.extend(self._calls[k])
-        self._next = k + 1
+        if not self.threaded:
+            self._pending.extend(self._calls[k])
+            self._next = k + 1
+            return
+        with self._cond:
+            if k == 0:  # a window starts: its first call sums the weights known before backward (every rank, every window)
+                self.divided = None
+                self._pending.append(WEIGHTS)
+            self._pending.extend(self._calls[k])
+            self._next = k + 1
+            if self._thread is None and self.failure is None:
+                self._thread = threading.Thread(target=self._serve, name="mpidp-communication", daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+
+    def _serve(self) -> None:
+        """The communication thread: sum queued calls in order with blocking Allreduce, sleep when none is queued."""
+        cond, pending = self._cond, self._pending
+        while True:
+            with cond:
+                while not pending and not self._stop:
+                    cond.wait()
+                if not pending:
+                    self._thread = None
+                    return
+                lo, hi = pending[0]
+                self._busy = True
+                self._called = False
+            try:
+                self._run(lo, hi, THREAD_OPERATION)
+            except CollectiveError as e:  # MPI failed inside the call: the other ranks cannot finish it
+                if self._fatal is not None:
+                    self._fatal(e)
+                raise
+            except BaseException as e:  # noqa: BLE001 - this rank's error at the next reduce; the caller sums the rest
+                sys.stderr.write(f"mpidp: the communication thread failed on rank {self.comm.rank}; the next reduce raises:\n")
+                traceback.print_exception(type(e), e, e.__traceback__, file=sys.stderr)
+                with cond:
+                    self.failure = f"the communication thread failed: {type(e).__name__}: {e}"
+                    if self._called:  # MPI had it: the caller must not call it again (its division is lost, as is the window)
+                        pending.popleft()
+                    self._busy = False
+                    self._thread = None
+                    cond.notify_all()
+                return
+            with cond:
+                pending.popleft()
+                self._handed += 1
+                self._busy = False
+                cond.notify_all()
+
+    def _run(self, lo: int, hi: int, operation: str) -> None:
+        """One blocking call of the thread's queue: the weights (:data:`WEIGHTS`) or a chunk, divided if the weights allow."""
+        if lo < 0:
+            w, self.expected = self.expected, None
+            self._weights[:] = (w or 0, w == 0, w is None)
+            self.comm.Allreduce_into(self._weights, self._global, operation)
+            self._called = True
+            total, zeros, unknown = (int(v) for v in self._global)
+            # every rank knew its weight and none is 0 (a rank of weight 0 counts as zeros: not this sum)
+            self.divided = total if total > 0 and not zeros and not unknown else None
+            return
+        self.comm.Allreduce_into(self.send[lo:hi], self.recv[lo:hi], operation)
+        self._called = True
+        if self.divided is not None:  # as the adapters divide after the sums: float32 by float32, the same bits
+            np.divide(self.recv[lo:hi], np.float32(self.divided), out=self.recv[lo:hi])
+
+    def expect(self, weight: int) -> None:
+        """This rank's weight for the window whose first bucket is not queued yet (threaded: the thread then divides).
+
+        Every rank's weight known and none 0: the thread sums the weights
+        first and divides each chunk by their sum right after summing it
+        (:attr:`divided`). Local; a weight given too late (the window's first
+        bucket already queued) waits for the next window.
+        """
+        self.expected = int(weight)
+
+    def swap(self) -> None:
+        """Exchange the send and receive buffers (local; between windows): the adapter keeps the divided sums as gradients."""
+        self.send, self.recv = self.recv, self.send
+        self.views, self.sums = self.sums, self.views
+
+    def _join(self, operation: str) -> None:
+        """Wait until the thread has summed every queued call; sum what a failed thread left, here (blocking)."""
+        cond, pending = self._cond, self._pending
+        with cond:
+            while (pending or self._busy) and self._thread is not None:
+                cond.wait()
+            left = list(pending)
+            pending.clear()
+        for lo, hi in left:  # the thread failed before MPI had these: the other ranks' calls still match
+            self._run(lo, hi, operation)
+
+    def take_failure(self) -> str | None:
+        """What the thread raised since the last call, cleared: the thread starts again with the next bucket (local)."""
+        with self._cond:
+            failure, self.failure = self.failure, None
+        return failure
+
+    def close(self) -> None:
+        """Stop and join the communication thread, if any (local; after the last window is finished)."""
+        with self._cond:
+            self._stop = True
+            thread = self._thread
+            self._cond.notify_all()
+        if thread is not None:
+            thread.join()
 
     def progress(self) -> None:
         """Test the oldest calls in flight once each, and start queued calls in their place (local, never waits)."""
+        if self.threaded:
+            return
         flight = self._flight
         while flight and self.comm.done(flight[0]):
             flight.popleft()
@@ -170,7 +322,13 @@ class Buckets:
             self._queue(k)
 
     def wait(self, operation: str) -> None:
-        """Hand every queued call to MPI, ``depth`` at a time, and finish them (watched by the session's watchdog)."""
+        """Hand every queued call to MPI, ``depth`` at a time, and finish them (watched by the session's watchdog).
+
+        Threaded: wait until the thread has summed them.
+        """
+        if self.threaded:
+            self._join(operation)
+            return
         self._fill_flight()
         flight = self._flight
         while flight:
@@ -184,8 +342,12 @@ class Buckets:
         (:attr:`handed`, agreed): every rank starts that many non-blocking,
         as collectives must match, and sums the rest with blocking Allreduce
         calls on the session's communicator, which MPICH runs faster than
-        non-blocking ones (:data:`DEPTH`).
+        non-blocking ones (:data:`DEPTH`). Threaded: ``handed`` is not
+        needed; the thread sums every call.
         """
+        if self.threaded:
+            self._join(operation)
+            return
         pending = self._pending
         while self._handed < handed:
             self._start(*pending.popleft())
@@ -212,6 +374,7 @@ class Buckets:
         """
         if zero:
             self.send[...] = 0
+        self.divided = None
         for calls in self._calls:
             for lo, hi in calls:
                 self.watched.Allreduce_into(self.send[lo:hi], self.recv[lo:hi], operation)

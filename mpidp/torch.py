@@ -62,12 +62,17 @@ class DataParallel:
     Tensors that viewed the old ``p.data`` no longer alias the parameter,
     and saving one parameter alone saves its whole buffer.
 
-    ``overlap=True`` (CPU parameters) starts the reduction while backward
-    runs (:mod:`mpidp.torch_overlap`): gradients go into float32 buckets of
+    ``overlap`` (CPU parameters) starts the reduction while backward runs
+    (:mod:`mpidp.torch_overlap`): gradients go into float32 buckets of
     ``bucket_bytes`` (default ``chunk_bytes``) as autograd finishes them;
     :meth:`reduce` then finishes them, with the plain path's results bit for
     bit. Run the backward passes of a window but the last under
-    :meth:`no_sync`.
+    :meth:`no_sync`. ``overlap="hooks"``: the gradient hooks start and
+    progress non-blocking calls; ``overlap="thread"``: a communication thread
+    sums each bucket with blocking calls while backward goes on (needs
+    ``MPI_THREAD_MULTIPLE``); ``overlap=True``: the thread where every rank's
+    node has a core free for it besides its ``torch.get_num_threads()``
+    computing threads per rank, else the hooks. Every rank must pass the same.
 
     ``chunk_bytes``, ``abort_on_exception`` and ``timeout`` are those of
     :meth:`mpidp.DataParallel.initialize`. Raises ContractError on every rank,
@@ -85,7 +90,7 @@ class DataParallel:
         abort_on_exception: bool = True,
         timeout: float | None = None,
         flat_parameters: bool = False,
-        overlap: bool = False,
+        overlap: bool | str = False,
         bucket_bytes: int | None = None,
     ) -> None:
         self.module = model
@@ -93,7 +98,7 @@ class DataParallel:
         regions = _regions(_buffers(model) if error is None else [])
         if bucket_bytes is None:
             bucket_bytes = chunk_bytes
-        error = error or regions.error or (_overlap_problem(model, bucket_bytes) if overlap else None)
+        error = error or regions.error or _overlap_problem(model, overlap, bucket_bytes)
         self._params: dict[str, Any] = dict(model.named_parameters(remove_duplicate=False)) if error is None else {}
         frozen = [name for name, p in self._params.items() if not p.requires_grad]
         moved: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
@@ -116,7 +121,8 @@ class DataParallel:
         if overlap:  # gradients go into reduction buckets during backward (mpidp.torch_overlap)
             try:
                 forward = [name for name, _ in model.named_parameters()]  # registration order, each tie group once
-                self._overlap = Overlap(self._core, self._params, [first[id(self._params[n])] for n in forward], bucket_bytes)
+                progress = "auto" if overlap is True else str(overlap)
+                self._overlap = Overlap(self._core, self._params, [first[id(self._params[n])] for n in forward], bucket_bytes, progress)
             except BaseException:
                 self._core.close()
                 raise
@@ -256,6 +262,22 @@ class DataParallel:
         self._refresh()
         self._core.verify_replicas()
 
+    def expect_weight(self, local_weight: int) -> None:
+        """Give this window's local weight before its last backward, so that the division need not wait for ``reduce`` (local).
+
+        Optional; only ``overlap="thread"`` (or ``True`` where it picks the
+        thread) uses it: where every rank gave its weight for the window and
+        none is 0, the communication thread divides each bucket by the global
+        weight as soon as it is summed, and ``reduce`` has only the last
+        buckets left. ``reduce(local_weight=...)`` still decides, and checks,
+        as always: where the global weight it agrees on is not the one given
+        here, the sums are taken again after backward (the same result,
+        later). Elsewhere it does nothing. A weight that is not a non-negative
+        int is this rank's error at the next ``reduce``, on every rank.
+        """
+        if self._overlap is not None:
+            self._overlap.expect_weight(local_weight)
+
     def no_sync(self) -> AbstractContextManager[None]:
         """A context for the backward passes of a window but the last: they only accumulate ``.grad`` (local).
 
@@ -353,13 +375,17 @@ def _flatten(params: dict[str, Any]) -> tuple[list[tuple[torch.nn.Parameter, tor
     return moved, None
 
 
-def _overlap_problem(model: torch.nn.Module, bucket_bytes: Any) -> str | None:
-    """Why ``overlap=True`` cannot serve this rank's model with these buckets, or None (local)."""
+def _overlap_problem(model: torch.nn.Module, overlap: Any, bucket_bytes: Any) -> str | None:
+    """Why ``overlap`` cannot serve this rank's model with these buckets, or None (local)."""
+    if not isinstance(overlap, bool) and overlap not in ("hooks", "thread"):
+        return f"overlap must be False, True, 'hooks' or 'thread', got {overlap!r}"
+    if overlap is False:
+        return None
     if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 4:
         return f"bucket_bytes must be an integer of at least 4, got {bucket_bytes!r}"
     for name, p in model.named_parameters(remove_duplicate=False):
         if p.device.type != "cpu":
-            return f"overlap=True reduces host (CPU) parameters only; parameter {name!r} is on {p.device}"
+            return f"overlap={overlap!r} reduces host (CPU) parameters only; parameter {name!r} is on {p.device}"
     return None
 
 

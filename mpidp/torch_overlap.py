@@ -1,11 +1,12 @@
 """The PyTorch adapter's overlapped path: gradients go into reduction buckets as autograd finishes them.
 
-Used by :class:`mpidp.torch.DataParallel` with ``overlap=True``. A
+Used by :class:`mpidp.torch.DataParallel` with ``overlap`` set. A
 post-accumulate-grad hook per trainable tie group copies the finished
 gradient into its slot of the session's float32 send buffer
 (:mod:`mpidp.overlap`; a float32 ``.grad`` then *is* that slot, so the next
 backward accumulates there and needs no copy) and marks it ready: complete
-buckets start summing at once, in the agreed order, while backward goes on.
+buckets start summing at once, in the agreed order, while backward goes on
+(progressed by the hooks themselves, or by a communication thread).
 ``reduce`` then agrees on the window as the plain path does, finishes the
 buckets, and writes ``sum / global_weight`` into ``.grad``. The hooks never
 raise: what goes wrong in one is this rank's error at the next ``reduce``,
@@ -29,15 +30,19 @@ __all__ = ["Overlap"]
 class Overlap:
     """The hooks, the send slots as tensors, and the window state of one overlapped session (local)."""
 
-    def __init__(self, session: core.DataParallel, params: dict[str, Any], forward: Sequence[str], bucket_bytes: int) -> None:
+    def __init__(
+        self, session: core.DataParallel, params: dict[str, Any], forward: Sequence[str], bucket_bytes: int, progress: str = "hooks"
+    ) -> None:
         heads = session.trainable
         slot = {h: i for i, h in enumerate(heads)}
         order = [slot[h] for h in reversed(forward) if h in slot]  # backward finishes the last layers first
-        self.buckets = session.reduction_buckets(order, bucket_bytes)
+        # "auto": a communication thread where the node has a core for it besides torch's computing threads
+        self.buckets = session.reduction_buckets(order, bucket_bytes, progress, torch.get_num_threads())
         self.names = heads
         self.params = [params[h] for h in heads]
-        #: each slot's part of the send buffer, shaped like its parameter (float32)
+        #: each slot's part of the send buffer, shaped like its parameter (float32); the receive buffer's, likewise
         self.send = [torch.from_numpy(v).view(p.shape) for v, p in zip(self.buckets.views, self.params)]
+        self.recv = [torch.from_numpy(v).view(p.shape) for v, p in zip(self.buckets.sums, self.params)]
         self.fp32 = [p.dtype == torch.float32 for p in self.params]
         self.paused = 0  # no_sync depth: backward passes that only accumulate
         self.running = False  # a backward pass made a slot ready and has not ended yet
@@ -100,6 +105,9 @@ class Overlap:
         finally:
             self.running, self.error = False, None
         w = np.float32(agreed.global_weight)
+        if self.buckets.divided is not None:  # the communication thread divided the sums already
+            self._divided(agreed.present(len(self.params)))
+            return agreed.global_weight
         for i, (p, here) in enumerate(zip(self.params, agreed.present(len(self.params)))):
             if not here:
                 p.grad = None
@@ -119,6 +127,26 @@ class Overlap:
             else:
                 g.copy_(result)
         return agreed.global_weight
+
+    def _divided(self, present: Sequence[bool]) -> None:
+        """Write the divided sums into ``.grad``: a float32 ``.grad`` becomes its receive slot, and the buffers swap roles."""
+        for i, (p, here) in enumerate(zip(self.params, present)):
+            g, t = p.grad, self.recv[i]
+            if not here:
+                p.grad = None
+            elif g is None or g.layout != torch.strided or (self.fp32[i] and g is self.send[i]):
+                p.grad = t if self.fp32[i] else t.to(p.dtype)
+            else:
+                g.copy_(t)
+        self.buckets.swap()  # the next backward accumulates in these .grad: they are its send slots
+        self.send, self.recv = self.recv, self.send
+
+    def expect_weight(self, weight: Any) -> None:
+        """This rank's local weight for the window to come, before its last backward (see DataParallel.expect_weight)."""
+        if type(weight) is not int or weight < 0:
+            self.error = self.error or f"expect_weight takes the local weight as a non-negative int, got {weight!r}"
+            return
+        self.buckets.expect(weight)
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:

@@ -104,6 +104,26 @@ def test_watchdog_aborts_ranks_waiting_for_overlapped_buckets() -> None:
     assert after <= 3 + 5, f"the job took {after:.1f} s to end after the skip"
 
 
+def test_watchdog_aborts_ranks_whose_communication_thread_waits() -> None:
+    """overlap='thread': the thread's blocking calls are watched by the buckets' own watchdog (the session's timeout)."""
+    pytest.importorskip("torch")
+    code, out, after = job("skip-overlap-thread", MPIDP_TIMEOUT="3")
+    assert code != 0, out
+    for rank in (0, 1, 2):
+        assert re.search(rf"mpidp watchdog: rank {rank} has waited [\d.]+ s in reduce: Allreduce \(communication thread\)", out), out
+    assert "mpidp-communication" in out or "_serve" in out, out  # the stacks show the thread
+    assert after <= 3 + 5, f"the job took {after:.1f} s to end after the skip"
+
+
+def test_an_mpi_failure_in_the_communication_thread_aborts_the_job_with_its_traceback() -> None:
+    pytest.importorskip("torch")
+    code, out, after = job("thread-mpi-error", MPIDP_TIMEOUT="60")
+    assert code != 0, out
+    assert "mpidp: the communication thread's Allreduce failed on rank 3; aborting the MPI job" in out, out
+    assert "CollectiveError: MPI_Allreduce failed on rank 3: injected" in out, out
+    assert after <= 10, f"the job took {after:.1f} s to end after the failure"
+
+
 def test_the_latest_session_decides_whether_an_exception_aborts(tmp_path: Path) -> None:
     """A session with abort_on_exception=False after a closed default one: an exception is a plain traceback."""
     script = tmp_path / "later.py"

@@ -1,4 +1,4 @@
-"""mpidp.torch with overlap=True: the same bits as the plain path, the same errors, no hang.
+"""mpidp.torch with overlap (hooks and thread modes): the same bits as the plain path, the same errors, no hang.
 
 Collective tests run on every rank of COMM_WORLD (a world of one serially,
 four ranks under mpiexec) and assert on every rank. Every test trains a
@@ -9,6 +9,8 @@ cut the models into many buckets.
 
 from __future__ import annotations
 
+import os
+import threading
 from contextlib import nullcontext
 from typing import Any
 
@@ -21,6 +23,8 @@ torch = pytest.importorskip("torch")
 from test_torch import IGNORE, REDUCE_ERRORS, TinyLM, grads, loss_sum, micro_batches, shards, window
 from torch import nn
 
+import mpidp.comm
+import mpidp.overlap
 import mpidp.torch
 from mpidp import ContractError, MissingGradientPolicy
 from mpidp.overlap import layout
@@ -48,10 +52,16 @@ class Mixed(nn.Module):
         return self.head(torch.tanh(h))
 
 
-def pair(make: Any, comm: MPI.Comm, **options: Any) -> tuple[tuple[nn.Module, Any], tuple[nn.Module, Any]]:
-    """(model, session) plain and overlapped, on copies of rank 0's ``make(seed)``."""
+@pytest.fixture(params=["hooks", "thread"])
+def mode(request: pytest.FixtureRequest) -> str:
+    """The overlap progress mode under test: every overlap test runs in both."""
+    return str(request.param)
+
+
+def pair(make: Any, comm: MPI.Comm, mode: str, **options: Any) -> tuple[tuple[nn.Module, Any], tuple[nn.Module, Any]]:
+    """(model, session) plain and overlapped in ``mode``, on copies of rank 0's ``make(seed)``."""
     plain, over = make(100 + comm.rank), make(100 + comm.rank)  # root's is broadcast in both
-    return (plain, mpidp.torch.DataParallel(plain, comm, **options)), (over, mpidp.torch.DataParallel(over, comm, overlap=True, **options))
+    return (plain, mpidp.torch.DataParallel(plain, comm, **options)), (over, mpidp.torch.DataParallel(over, comm, overlap=mode, **options))
 
 
 def same_grads_everywhere(comm: MPI.Comm, a: nn.Module, b: nn.Module) -> None:
@@ -71,16 +81,22 @@ def test_layout_puts_slots_in_order_and_splits_large_ones() -> None:
     assert calls == [[(0, 3), (3, 6), (6, 7)], [(7, 10), (10, 13), (13, 16), (16, 17)]]
 
 
+@pytest.mark.parametrize("early", [False, True])
 @pytest.mark.parametrize("zero", ["dp", "none"])
 @pytest.mark.parametrize("accumulate", [1, 3])
-def test_overlap_equals_the_plain_path_bitwise(comm: MPI.Comm, accumulate: int, zero: str) -> None:
-    """Tied and frozen parameters, one used by some ranks only, one by none, a rank without tokens; micro-batches."""
-    (plain, dp), (over, do) = pair(lambda s: TinyLM(s, frozen=True), comm, **SMALL)
+def test_overlap_equals_the_plain_path_bitwise(comm: MPI.Comm, accumulate: int, zero: str, mode: str, early: bool) -> None:
+    """Tied and frozen parameters, one used by some ranks only, one by none, a rank without tokens; micro-batches.
+
+    ``early``: the weight is given before backward too (the thread divides as it sums).
+    """
+    (plain, dp), (over, do) = pair(lambda s: TinyLM(s, frozen=True), comm, mode, **SMALL)
     opts = [torch.optim.SGD(m.parameters(), lr=0.3, momentum=0.9) for m in (plain, over)]
     with dp, do:
         for step in range(4):
             batches = list(micro_batches(shards(step, comm.size)[comm.rank], accumulate))
             tokens = sum(int((y != IGNORE).sum()) for _, y in batches)
+            if early:
+                do.expect_weight(tokens)
             for model, session, opt in ((plain, dp, opts[0]), (over, do, opts[1])):
                 for k, (x, y) in enumerate(batches):
                     with session.no_sync() if k < len(batches) - 1 else nullcontext():
@@ -94,37 +110,80 @@ def test_overlap_equals_the_plain_path_bitwise(comm: MPI.Comm, accumulate: int, 
         assert all(comm.allgather(all(torch.equal(p, q) for p, q in zip(plain.parameters(), over.parameters()))))
 
 
-def test_overlap_sums_bfloat16_gradients_in_float32_like_the_plain_path(comm: MPI.Comm) -> None:
-    (plain, dp), (over, do) = pair(Mixed, comm, **SMALL)
+@pytest.mark.parametrize("early", [False, True])
+def test_overlap_sums_bfloat16_gradients_in_float32_like_the_plain_path(comm: MPI.Comm, mode: str, early: bool) -> None:
+    (plain, dp), (over, do) = pair(Mixed, comm, mode, **SMALL)
     with dp, do:
         for step in range(3):
             rng = np.random.default_rng([3, step, comm.rank])
             x = torch.tensor(rng.integers(0, 17, size=(2, 5 + comm.rank)))
+            if early:
+                do.expect_weight(x.numel())
             for model, session in ((plain, dp), (over, do)):
                 nn.functional.cross_entropy(model(x).flatten(0, 1), x.flatten(), reduction="sum").backward()
                 session.reduce(local_weight=x.numel())
             assert over.low.weight.grad.dtype == torch.bfloat16
+            # given before backward, the weights let the thread divide as it summed
+            assert do._overlap.buckets.divided == (sum(comm.allgather(x.numel())) if early and mode == "thread" else None)
             same_grads_everywhere(comm, plain, over)
             for model in (plain, over):
                 model.zero_grad()
 
 
 @pytest.mark.mpi(min_size=2)
-def test_a_rank_of_weight_zero_counts_as_zeros_although_its_gradients_left(comm: MPI.Comm) -> None:
-    """Rank 0 runs a real backward but says it has no tokens: its gradients, already on their way, must not count."""
-    (plain, dp), (over, do) = pair(TinyLM, comm, **SMALL)
+@pytest.mark.parametrize("early", [None, "zero", "real"])
+def test_a_rank_of_weight_zero_counts_as_zeros_although_its_gradients_left(comm: MPI.Comm, mode: str, early: str | None) -> None:
+    """Rank 0 runs a real backward but says it has no tokens: its gradients, already on their way, must not count.
+
+    ``early``: the weights were also given before backward, rank 0's as 0 or (wrongly) as its real count.
+    """
+    (plain, dp), (over, do) = pair(TinyLM, comm, mode, **SMALL)
     with dp, do:
         for model, session in ((plain, dp), (over, do)):
-            weight = window(comm, model)
+            weight = window(comm, model, backward=False)
+            if early and session is do:
+                do.expect_weight(0 if comm.rank == 0 and early == "zero" else weight)
+            window(comm, model)
             session.reduce(local_weight=0 if comm.rank == 0 else weight, policy=ZERO)
         same_grads_everywhere(comm, plain, over)
 
 
+def test_a_weight_given_before_backward_that_reduce_contradicts_is_taken_again(comm: MPI.Comm, mode: str) -> None:
+    """The global weight agreed at reduce decides; a different one given before backward only costs time."""
+    (plain, dp), (over, do) = pair(TinyLM, comm, mode, **SMALL)
+    with dp, do:
+        for step in range(2):
+            for model, session in ((plain, dp), (over, do)):
+                weight = window(comm, model, backward=False)
+                if session is do:
+                    do.expect_weight(weight + 1 if comm.rank == step % comm.size else weight)
+                window(comm, model)
+                session.reduce(local_weight=weight, policy=ZERO)
+                model.zero_grad()
+            same_grads_everywhere(comm, plain, over)
+
+
+@pytest.mark.parametrize("weight", [-1, 2.0, True])
+def test_a_bad_weight_before_backward_is_an_error_everywhere_at_reduce(comm: MPI.Comm, where: tuple[bool, int], mode: str, weight: Any) -> None:
+    mine, bad = where
+    model = TinyLM(100, extras=False)
+    with mpidp.torch.DataParallel(model, comm, overlap=mode, **SMALL) as do:
+        tokens = window(comm, model, backward=False)
+        do.expect_weight(weight if mine else tokens)
+        window(comm, model)
+        before = grads(model)
+        same_error_everywhere(
+            comm, lambda: do.reduce(local_weight=tokens), ContractError,
+            f"rank {bad}: expect_weight takes the local weight as a non-negative int, got {weight!r}",
+        )
+        assert grads(model) == before
+
+
 @pytest.mark.parametrize("case", sorted(REDUCE_ERRORS))
-def test_overlap_refuses_bad_input_on_every_rank_touches_nothing_and_recovers(comm: MPI.Comm, where: tuple[bool, int], case: str) -> None:
+def test_overlap_refuses_bad_input_on_every_rank_touches_nothing_and_recovers(comm: MPI.Comm, where: tuple[bool, int], case: str, mode: str) -> None:
     mine, bad = where
     spoil, policy, message = REDUCE_ERRORS[case]
-    (plain, dp), (over, do) = pair(lambda s: TinyLM(s, extras=False, frozen=True), comm, **SMALL)
+    (plain, dp), (over, do) = pair(lambda s: TinyLM(s, extras=False, frozen=True), comm, mode, **SMALL)
     with dp, do:
         if mine:
             spoil(over)
@@ -135,15 +194,15 @@ def test_overlap_refuses_bad_input_on_every_rank_touches_nothing_and_recovers(co
         same_error_everywhere(comm, lambda: do.reduce(local_weight=weight, policy=policy), ContractError, f"rank {bad}: {message}")
         assert grads(over) == before
     if case in ("missing gradient", "float weight"):  # the session is fine: the next window matches the plain path
-        (plain, dp), (over, do) = pair(lambda s: TinyLM(s, extras=False, frozen=True), comm, **SMALL)
+        (plain, dp), (over, do) = pair(lambda s: TinyLM(s, extras=False, frozen=True), comm, mode, **SMALL)
         with dp, do:
             for model, session in ((plain, dp), (over, do)):
                 session.reduce(local_weight=window(comm, model))
             same_grads_everywhere(comm, plain, over)
 
 
-def test_a_sparse_embedding_gradient_is_reduced_dense_like_the_plain_path(comm: MPI.Comm) -> None:
-    (plain, dp), (over, do) = pair(lambda seed: nn.Embedding(10, 3, sparse=True), comm, **SMALL)
+def test_a_sparse_embedding_gradient_is_reduced_dense_like_the_plain_path(comm: MPI.Comm, mode: str) -> None:
+    (plain, dp), (over, do) = pair(lambda seed: nn.Embedding(10, 3, sparse=True), comm, mode, **SMALL)
     with dp, do:
         for model, session in ((plain, dp), (over, do)):
             model(torch.tensor([comm.rank % 10, 9])).sum().backward()
@@ -153,8 +212,8 @@ def test_a_sparse_embedding_gradient_is_reduced_dense_like_the_plain_path(comm: 
         same_grads_everywhere(comm, plain, over)
 
 
-def test_a_parameter_unused_everywhere_is_refused_under_error_then_absent_under_zero(comm: MPI.Comm) -> None:
-    (plain, dp), (over, do) = pair(TinyLM, comm, **SMALL)
+def test_a_parameter_unused_everywhere_is_refused_under_error_then_absent_under_zero(comm: MPI.Comm, mode: str) -> None:
+    (plain, dp), (over, do) = pair(TinyLM, comm, mode, **SMALL)
     with dp, do:
         weight = window(comm, over)
         before = grads(over)
@@ -166,9 +225,9 @@ def test_a_parameter_unused_everywhere_is_refused_under_error_then_absent_under_
         same_grads_everywhere(comm, plain, over)
 
 
-def test_a_second_backward_outside_no_sync_is_refused_on_every_rank(comm: MPI.Comm) -> None:
+def test_a_second_backward_outside_no_sync_is_refused_on_every_rank(comm: MPI.Comm, mode: str) -> None:
     model = TinyLM(100, extras=False)
-    with mpidp.torch.DataParallel(model, comm, overlap=True, **SMALL) as do:
+    with mpidp.torch.DataParallel(model, comm, overlap=mode, **SMALL) as do:
         weight = window(comm, model)
         if comm.rank == comm.size - 1:
             weight += window(comm, model)
@@ -202,10 +261,10 @@ class Breaks(TinyLM):
         return self.head(self.norm(h))
 
 
-def test_a_backward_that_raises_midway_on_one_rank_ends_in_an_error_everywhere_not_a_hang(comm: MPI.Comm) -> None:
+def test_a_backward_that_raises_midway_on_one_rank_ends_in_an_error_everywhere_not_a_hang(comm: MPI.Comm, mode: str) -> None:
     model = Breaks(100, extras=False, tie=False)
     model.mix.requires_grad_(False)  # not in this forward
-    with mpidp.torch.DataParallel(model, comm, overlap=True, **SMALL) as do:
+    with mpidp.torch.DataParallel(model, comm, overlap=mode, **SMALL) as do:
         model.broken = comm.rank == comm.size - 1
         try:
             weight = window(comm, model)
@@ -219,9 +278,9 @@ def test_a_backward_that_raises_midway_on_one_rank_ends_in_an_error_everywhere_n
         do.reduce(local_weight=window(comm, model))  # the next window goes ahead
 
 
-def test_close_after_a_partial_window_on_some_ranks_does_not_hang(comm: MPI.Comm) -> None:
+def test_close_after_a_partial_window_on_some_ranks_does_not_hang(comm: MPI.Comm, mode: str) -> None:
     model = TinyLM(100, extras=False)
-    do = mpidp.torch.DataParallel(model, comm, overlap=True, **SMALL)
+    do = mpidp.torch.DataParallel(model, comm, overlap=mode, **SMALL)
     if comm.rank % 2:
         window(comm, model)  # its buckets are in flight; the others started none
     do.close()
@@ -241,11 +300,127 @@ def test_no_sync_is_a_no_op_on_the_plain_path(comm: MPI.Comm) -> None:
 
 
 @pytest.mark.parametrize("bucket_bytes", [0, 2.5, True])
-def test_a_bad_bucket_size_is_refused_on_every_rank(comm: MPI.Comm, where: tuple[bool, int], bucket_bytes: Any) -> None:
+def test_a_bad_bucket_size_is_refused_on_every_rank(comm: MPI.Comm, where: tuple[bool, int], bucket_bytes: Any, mode: str) -> None:
     mine, bad = where
     model = TinyLM(100, extras=False)
     options = {"bucket_bytes": bucket_bytes} if mine else {}
     same_error_everywhere(
-        comm, lambda: mpidp.torch.DataParallel(model, comm, overlap=True, **options), ContractError,
+        comm, lambda: mpidp.torch.DataParallel(model, comm, overlap=mode, **options), ContractError,
         f"rank {bad}: bucket_bytes must be an integer of at least 4, got {bucket_bytes!r}",
+    )
+
+
+# ------------------------------------------------------------- progress modes
+
+
+def communication_threads() -> list[Any]:
+    return [t for t in threading.enumerate() if t.name == "mpidp-communication"]
+
+
+def test_thread_mode_runs_a_communication_thread_that_close_joins(comm: MPI.Comm) -> None:
+    model = TinyLM(100, extras=False)
+    do = mpidp.torch.DataParallel(model, comm, overlap="thread", **SMALL)
+    assert do._overlap.buckets.threaded
+    do.reduce(local_weight=window(comm, model))
+    assert len(communication_threads()) == 1  # started by the first bucket; asleep between windows
+    do.close()
+    assert communication_threads() == []
+
+
+@pytest.mark.parametrize("after", [False, True])
+def test_an_exception_in_the_communication_thread_is_one_error_everywhere_then_it_recovers(
+    comm: MPI.Comm, after: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Not an MPI failure (the calls can still finish): the caller sums what the thread left; reduce raises everywhere.
+
+    ``after``: the exception comes after MPI finished the call, in the thread's division (the call must not be
+    made again).
+    """
+    (plain, dp), (over, do) = pair(lambda s: TinyLM(s, extras=False), comm, "thread", **SMALL)
+    bad = comm.size - 1
+    with dp, do:
+        calls = iter(range(1000))
+        if comm.rank == bad and not after:
+            real = do._overlap.buckets.comm.Allreduce_into
+
+            def failing(*args: Any) -> None:
+                if next(calls) == 2:  # the third call, in backward
+                    raise MemoryError("injected")
+                real(*args)
+
+            do._overlap.buckets.comm.Allreduce_into = failing
+        if comm.rank == bad and after:
+
+            class Numpy:
+                def __getattr__(self, name: str) -> Any:
+                    return getattr(np, name)
+
+                def divide(self, *args: Any, **kwargs: Any) -> Any:
+                    if next(calls) == 2:
+                        raise MemoryError("injected")
+                    return np.divide(*args, **kwargs)
+
+            monkeypatch.setattr(mpidp.overlap, "np", Numpy())
+        weight = window(comm, over, backward=False)
+        if after:
+            do.expect_weight(weight)  # the thread divides after each call
+        window(comm, over)
+        before = grads(over)
+        same_error_everywhere(
+            comm, lambda: do.reduce(local_weight=weight), ContractError, f"rank {bad}: the communication thread failed: MemoryError: injected"
+        )
+        assert grads(over) == before
+        for model, session in ((plain, dp), (over, do)):  # a new thread sums the next window
+            model.zero_grad()
+            session.reduce(local_weight=window(comm, model))
+        same_grads_everywhere(comm, plain, over)
+
+
+@pytest.mark.parametrize("ask", ["thread", True])
+def test_without_thread_multiple_thread_mode_is_refused_everywhere_and_auto_uses_hooks(
+    comm: MPI.Comm, where: tuple[bool, int], ask: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    mine, bad = where
+    if mine:
+        monkeypatch.setattr(mpidp.comm, "thread_multiple", lambda: False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(1024)), raising=False)  # cores to spare
+    model = TinyLM(100, extras=False)
+    if ask == "thread":
+        same_error_everywhere(
+            comm, lambda: mpidp.torch.DataParallel(model, comm, overlap=ask, **SMALL), ContractError,
+            f"overlap='thread' needs MPI_THREAD_MULTIPLE, which MPI did not provide on rank(s) {bad}",
+        )
+        return
+    with mpidp.torch.DataParallel(model, comm, overlap=ask, **SMALL) as do:
+        assert not do._overlap.buckets.threaded
+        do.reduce(local_weight=window(comm, model))
+
+
+@pytest.mark.parametrize("cores", [1, 1024])
+def test_auto_takes_the_thread_only_where_every_node_has_a_core_to_spare(comm: MPI.Comm, cores: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)), raising=False)
+    model = TinyLM(100, extras=False)
+    with mpidp.torch.DataParallel(model, comm, overlap=True, **SMALL) as do:
+        assert do._overlap.buckets.threaded == (cores == 1024)
+        do.reduce(local_weight=window(comm, model))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_ranks_asking_for_different_modes_are_refused_everywhere(comm: MPI.Comm) -> None:
+    model = TinyLM(100, extras=False)
+    mode = "thread" if comm.rank == 0 else "hooks"
+    same_error_everywhere(
+        comm, lambda: mpidp.torch.DataParallel(model, comm, overlap=mode, **SMALL), ContractError,
+        "ranks ask for different overlap progress modes: hooks, thread",
+    )
+
+
+@pytest.mark.parametrize("overlap", ["yes", 1, None])
+def test_a_bad_overlap_value_is_refused_on_every_rank(comm: MPI.Comm, where: tuple[bool, int], overlap: Any) -> None:
+    mine, bad = where
+    model = TinyLM(100, extras=False)
+    options = {"overlap": overlap} if mine else {}
+    same_error_everywhere(
+        comm, lambda: mpidp.torch.DataParallel(model, comm, **options), ContractError,
+        f"rank {bad}: overlap must be False, True, 'hooks' or 'thread', got {overlap!r}",
     )

@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "benchmarks" / "train_step.py"
 MPIEXEC = str(Path(sys.executable).with_name("mpiexec"))
 TIMEOUT = 240
-VARIANTS = {"local", "mpidp", "mpidp_overlap", "ddp_gloo", "horovod"}
+VARIANTS = {"local", "mpidp", "mpidp_overlap", "mpidp_hooks", "mpidp_thread", "mpidp_thread_weight", "ddp_gloo", "horovod"}
 
 pytestmark = pytest.mark.skipif(MPI.COMM_WORLD.Get_size() > 1, reason="starts its own MPI job")
 
@@ -44,7 +44,10 @@ def test_quick_run_times_every_variant_in_parts(tmp_path: Path) -> None:
     assert p.returncode == 0, p.stdout
     result = json.loads((tmp_path / "quick-train-step-np2.json").read_text())
     assert result["meta"]["world_size"] == 2 and result["meta"]["quick"] is True
-    assert set(result["models"]) == {"gpt2-tiny", "resnet-tiny"}
+    assert set(result["models"]) == {"gpt2-tiny", "resnet-tiny", "offcpu-gpt2-tiny"}
+    off = result["models"]["offcpu-gpt2-tiny"]
+    assert off["offcpu"]["real_model"] == "gpt2-tiny" and positive(off["offcpu"]["backward_sleep"])
+    assert off["parameters"] == result["models"]["gpt2-tiny"]["parameters"]  # the same parameters as the real model
     for name, m in result["models"].items():
         assert m["parameters"] > 0 and m["gradient_bytes"] == 4 * m["parameters"], name
         assert all(positive(t) for t in m["limits"].values()), name
@@ -55,5 +58,22 @@ def test_quick_run_times_every_variant_in_parts(tmp_path: Path) -> None:
             assert r["reduce_after_backward"] >= 0
             assert len(r["samples"]) == result["meta"]["steps"]
             assert r["step"] >= r["forward_backward"]
+        assert m["variants"]["mpidp_thread"]["overlap_mode"] == "thread" and m["variants"]["mpidp_hooks"]["overlap_mode"] == "hooks"
+        assert m["variants"]["mpidp_overlap"]["overlap_mode"] in ("hooks", "thread") and m["variants"]["mpidp"]["overlap_mode"] == "off"
         assert name in p.stdout
     assert "vs DDP" in p.stdout
+
+
+def test_the_overlap_timeline_probe_shows_the_threads_calls_and_the_agreement() -> None:
+    try:
+        p = subprocess.run(
+            [MPIEXEC, "-n", "2", sys.executable, "-m", "mpi4py", str(ROOT / "benchmarks" / "overlap_timeline.py"),
+             "--model", "offcpu-gpt2-tiny", "--steps", "2", "--show", "1"],
+            check=False, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=TIMEOUT, env=clean_env(), cwd=ROOT,
+        )
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"the overlap timeline did not finish in {TIMEOUT} s:\n{e.output}")
+    assert p.returncode == 0, p.stdout
+    assert "step 1: backward ended at" in p.stdout and "step 0:" not in p.stdout, p.stdout
+    for label in ("queue", "call", "agreement"):
+        assert f"  {label}" in p.stdout, (label, p.stdout)

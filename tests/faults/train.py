@@ -14,6 +14,12 @@
   backward (its buckets start summing) and close; rank 3 runs none and waits in
   the user's own barrier; the others wait for their buckets until the watchdog
   aborts.
+- ``skip-overlap-thread``: the same with ``overlap="thread"``: ranks 0-2's
+  communication threads wait in their first bucket's blocking Allreduce until
+  the buckets' own watchdog aborts.
+- ``thread-mpi-error``: ``overlap="thread"``; MPI fails inside rank 3's
+  communication thread (a CollectiveError, injected): the collectives cannot
+  finish, so rank 3 prints the traceback and aborts the job.
 - ``extra``: rank 3 runs one reduce more than the others, which close the
   session and exit; it waits in that reduce until the watchdog aborts.
 - ``late``: rank 3 comes to ``initialize`` 30 s after the others, which wait
@@ -52,17 +58,26 @@ if mode == "skip-buffers":
         comm.Barrier()
     tdp.broadcast_buffers()
     sys.exit(0)
-if mode == "skip-overlap":
+if mode in ("skip-overlap", "skip-overlap-thread", "thread-mpi-error"):
     import torch
 
     import mpidp.torch
 
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
-    tdp = mpidp.torch.DataParallel(model, comm, overlap=True, bucket_bytes=4096)
-    if rank == 3:
+    tdp = mpidp.torch.DataParallel(model, comm, overlap="hooks" if mode == "skip-overlap" else "thread", bucket_bytes=4096)
+    if mode == "thread-mpi-error" and rank == 3:
+
+        def failing(*args: object) -> None:
+            raise mpidp.CollectiveError("MPI_Allreduce failed on rank 3: injected")
+
+        tdp._overlap.buckets.comm.Allreduce_into = failing  # type: ignore[union-attr]
+        print(f"rank {rank}: failing in MPI at {time.time():.3f}", flush=True)
+    if rank == 3 and mode != "thread-mpi-error":
         print(f"rank {rank}: skipping the backward and close at {time.time():.3f}", flush=True)
         comm.Barrier()
     model(torch.ones(2, 64)).sum().backward()
+    if mode == "thread-mpi-error":
+        tdp.reduce(local_weight=2)
     tdp.close()
     sys.exit(0)
 params = {"w": np.zeros(1000, np.float32), "b": np.zeros(10, np.float32)}

@@ -84,34 +84,26 @@ def test_watchdog_is_armed_while_initialize_waits(mode: str) -> None:
     assert after <= 3 + 5, f"the job took {after:.1f} s to end after rank 3's {mode}"
 
 
-def test_watchdog_aborts_a_rank_that_skipped_broadcast_buffers() -> None:
-    """The PyTorch adapter's own collectives (its buffers) are watched like the core's."""
+@pytest.mark.parametrize(
+    ("mode", "operation"),
+    [
+        # the PyTorch adapter's own collectives (its buffers) are watched like the core's
+        ("skip-buffers", r"broadcast_buffers: agreement"),
+        # overlap=True: the buckets' calls started in backward are waited for under the session's watchdog
+        ("skip-overlap", r"close: Iallreduce"),
+        # overlap='thread': the thread's blocking calls are watched by the buckets' own watchdog (the session's timeout)
+        ("skip-overlap-thread", r"reduce: Allreduce \(communication thread\)"),
+    ],
+)
+def test_watchdog_aborts_ranks_left_waiting_by_a_torch_rank(mode: str, operation: str) -> None:
+    """Rank 3 skips what the others wait in: the watchdog ends the job, every waiting rank naming the operation."""
     pytest.importorskip("torch")
-    code, out, after = job("skip-buffers", MPIDP_TIMEOUT="3")
+    code, out, after = job(mode, MPIDP_TIMEOUT="3")
     assert code != 0, out
     for rank in (0, 1, 2):
-        assert re.search(rf"mpidp watchdog: rank {rank} has waited [\d.]+ s in broadcast_buffers: agreement", out), out
-    assert after <= 3 + 5, f"the job took {after:.1f} s to end after the skip"
-
-
-def test_watchdog_aborts_ranks_waiting_for_overlapped_buckets() -> None:
-    """overlap=True: the buckets' calls started in backward are waited for under the session's watchdog."""
-    pytest.importorskip("torch")
-    code, out, after = job("skip-overlap", MPIDP_TIMEOUT="3")
-    assert code != 0, out
-    for rank in (0, 1, 2):
-        assert re.search(rf"mpidp watchdog: rank {rank} has waited [\d.]+ s in close: Iallreduce", out), out
-    assert after <= 3 + 5, f"the job took {after:.1f} s to end after the skip"
-
-
-def test_watchdog_aborts_ranks_whose_communication_thread_waits() -> None:
-    """overlap='thread': the thread's blocking calls are watched by the buckets' own watchdog (the session's timeout)."""
-    pytest.importorskip("torch")
-    code, out, after = job("skip-overlap-thread", MPIDP_TIMEOUT="3")
-    assert code != 0, out
-    for rank in (0, 1, 2):
-        assert re.search(rf"mpidp watchdog: rank {rank} has waited [\d.]+ s in reduce: Allreduce \(communication thread\)", out), out
-    assert "mpidp-communication" in out or "_serve" in out, out  # the stacks show the thread
+        assert re.search(rf"mpidp watchdog: rank {rank} has waited [\d.]+ s in {operation}", out), out
+    if mode == "skip-overlap-thread":
+        assert "mpidp-communication" in out or "_serve" in out, out  # the stacks show the thread
     assert after <= 3 + 5, f"the job took {after:.1f} s to end after the skip"
 
 

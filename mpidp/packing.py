@@ -274,7 +274,7 @@ def _torch_for(n: int) -> Any:
 #: Use the compiled 16-bit casts of :mod:`mpidp.kernels` (numba, ``pip install
 #: mpidp[numba]``) where torch's are not used (None: when numba is installed;
 #: False: never, NumPy / ml_dtypes casts only). As fast as torch's on one core
-#: of the development machine, 5-15x NumPy's (docs/performance.md), and
+#: of the development machine, 2-27x faster than NumPy's (docs/performance.md), and
 #: bitwise equal to NumPy's and ml_dtypes' for every non-NaN value (a NaN
 #: stays a NaN of its sign, its payload may differ). The first cast of a
 #: process imports numba and loads the compiled kernels (about 1 s; they are

@@ -48,6 +48,12 @@ class Communicator:
     to see where a rank waits. ``arm``, if given, is called with the new
     object before the Dup, the session's first collective, so that a
     watchdog it starts watches the Dup too.
+
+    Each collective wrapper below repeats the same enter / call / fail /
+    leave shape on purpose: cProfile books mpi4py's (unprofiled C) call in
+    the calling Python frame, so one wrapper per collective is what lets
+    ``benchmarks/window_profile.py`` name the collective ("comm.py(Allreduce)");
+    one shared helper would book every collective under its own name.
     """
 
     def __init__(self, comm: MPI.Comm, arm: Callable[[Communicator], object] | None = None) -> None:

@@ -104,10 +104,10 @@ class Overlap:
             agreed = session.reduce_buckets(grads, weight, policy, self.problem(), self.fill, step=step)
         finally:
             self.running, self.error = False, None
-        w = np.float32(agreed.global_weight)
         if self.buckets.divided is not None:  # the communication thread divided the sums already
             self._divided(agreed.present(len(self.params)))
             return agreed.global_weight
+        w = np.float32(agreed.global_weight)
         for i, (p, here) in enumerate(zip(self.params, agreed.present(len(self.params)))):
             if not here:
                 p.grad = None

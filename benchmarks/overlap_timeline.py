@@ -80,6 +80,7 @@ def main() -> int:
     wrap(buckets.comm, "Allreduce_into", "call")
     wrap(buckets, "_queue", "queue")
     wrap(dp._core, "agree_window", "agreement")
+    wrap(dp._core, "_check_window", "checks")
     for step in range(args.steps):
         events.clear()
         COMM.Barrier()
@@ -91,8 +92,12 @@ def main() -> int:
         dp.reduce(local_weight=tokens)
         end = clock()
         dp.zero_grad()
+        slowest = max(COMM.allgather(backward))  # the clocks started at the same Barrier
         if COMM.rank == 0 and step >= args.steps - args.show:
-            print(f"step {step}: backward ended at {backward * 1e3:.1f} ms; reduce took {(end - backward) * 1e3:.2f} ms")
+            print(
+                f"step {step}: backward ended at {backward * 1e3:.1f} ms (the slowest rank's {(slowest - backward) * 1e3:+.2f} ms later); "
+                f"reduce took {(end - backward) * 1e3:.2f} ms"
+            )
             for label, t0, t1, size in events:
                 what = f"{size} values" if size is not None else ""
                 print(f"  {label:9s} {(t0 - backward) * 1e3:+8.2f} .. {(t1 - backward) * 1e3:+8.2f} ms  {what}")

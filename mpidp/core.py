@@ -292,11 +292,14 @@ class DataParallel:
 
     def agree_window(
         self, grads: Mapping[str, Any], local_weight: Any, policy: Any, error: str | None = None, *, step: Any = None,
+        settle: Callable[[], str | None] | None = None,
     ) -> Agreed:
         """:meth:`reduce` up to the movement: check locally, then agree (collective; moves no gradient).
 
         ``error`` is the caller's own local error (an adapter's), agreed like
-        the core's; ``step`` as in :meth:`reduce`. Raises ContractError on every rank as :meth:`reduce` does;
+        the core's; ``step`` as in :meth:`reduce`; ``settle()``, if given, is
+        called after the local checks and before the exchange, whatever they
+        found, and returns one more local error (or None). Raises ContractError on every rank as :meth:`reduce` does;
         otherwise every rank holds the same facts of the window.
         """
         self._usable()
@@ -322,6 +325,9 @@ class DataParallel:
                 "pass policy=MissingGradientPolicy.ZERO if it is legitimately unused"
             )
         presence = self._slots.complete if complete else self._slots.presence([x is not None for x in given])
+        if settle is not None:
+            late = settle()
+            error = error or late
         Window.fill(self._window_frame, step_word, code, weight, presence)
         try:
             rows = records.agree(self._comm, self._window_frame, error, f"{operation}: exchange", self._judge, Window.AGREED)
@@ -456,6 +462,8 @@ class DataParallel:
         buckets = self._buckets
         assert buckets is not None, "reduction_buckets() first"
         operation = f"reduce (window {self._window + 1}): Iallreduce"
+        if buckets.threaded:
+            return self._reduce_threaded(buckets, grads, local_weight, policy, error, fill, step, operation)
         try:
             agreed = self.agree_window(grads, local_weight, policy, error, step=step)
         except ContractError:
@@ -464,15 +472,9 @@ class DataParallel:
             raise
         try:
             buckets.flush(fill)
-            if buckets.threaded:
-                buckets.finish(0, operation)
-                self._thread_failures(buckets, operation)
-            else:
-                handed = self._comm.Allgather(np.array([buckets.handed], np.int64), f"{operation}: calls started")
-                buckets.finish(int(handed.max()), operation)
-            stale = buckets.divided is not None and buckets.divided != agreed.global_weight  # weights given before backward were not these
-            if agreed.zero_weight or stale:  # its gradients left during backward: sum again, counting them as zeros
-                buckets.redo(agreed.weight == 0, operation)
+            handed = self._comm.Allgather(np.array([buckets.handed], np.int64), f"{operation}: calls started")
+            buckets.finish(int(handed.max()), operation)
+            self._redo(buckets, agreed, operation)
         except CollectiveError as e:
             self._failed = str(e)
             raise
@@ -480,14 +482,56 @@ class DataParallel:
             buckets.reset()
         return agreed
 
-    def _thread_failures(self, buckets: overlap.Buckets, operation: str) -> None:
-        """Raise one ContractError on every rank if any rank's communication thread failed in this window (collective)."""
-        failure = buckets.take_failure()
-        flags = self._comm.Allgather(np.array([failure is not None], np.int8), f"{operation}: communication threads")
-        if flags.any():
-            failures = self._comm.allgather_obj(failure, f"{operation}: communication thread failures")
-            bad = int(np.flatnonzero(flags)[0])
-            raise ContractError(f"rank {bad}: {failures[bad]}")
+    def _reduce_threaded(
+        self, buckets: overlap.Buckets, grads: Mapping[str, Any], local_weight: Any, policy: Any, error: str | None,
+        fill: Callable[[int], None], step: Any, operation: str,
+    ) -> Agreed:
+        """:meth:`reduce_buckets` with a communication thread: finish the buckets, then exchange (collective).
+
+        The calling thread fills and queues what backward left, sleeps until
+        the thread has begun the last call, checks the gradients while that
+        call sums, and sleeps again until every call is summed; only then
+        does it exchange the window's record. The other order (exchange
+        while the last buckets sum) had both threads of a rank spinning in
+        MPI at once: the agreement's polling took the core the last bucket
+        needed (``benchmarks/overlap_timeline.py``: that call started 2 ms
+        after it was queued). A fill that raises and a failure of the
+        thread are this rank's error in the agreement, so every rank raises
+        the same ContractError; nothing is left in flight either way, and
+        on an error the sums are thrown away.
+        """
+        self._usable()  # a closed session's buckets have no thread and no communicator left
+        settled: list[bool] = []
+
+        def settle() -> str | None:
+            settled.append(True)
+            buckets.finish(0, operation)
+            return buckets.take_failure()
+
+        try:
+            try:
+                buckets.flush(fill)
+            except Exception as e:  # noqa: BLE001 - agreed below; the rest of the window is sent as it is
+                error = error or f"could not copy a gradient into its reduction bucket: {type(e).__name__}: {e}"
+                buckets.flush(None)
+            buckets.handoff()
+            agreed = self.agree_window(grads, local_weight, policy, error, step=step, settle=settle)
+            self._redo(buckets, agreed, operation)
+        except CollectiveError as e:
+            self._failed = str(e)
+            raise
+        finally:
+            if not settled:  # agree_window raised before its checks were done: the thread's calls still end first
+                buckets.finish(0, operation)
+            buckets.reset()
+        return agreed
+
+    @staticmethod
+    def _redo(buckets: overlap.Buckets, agreed: Agreed, operation: str) -> None:
+        """Sum the buckets again where the agreed window says their sums do not hold (collective)."""
+        stale = buckets.divided is not None and buckets.divided != agreed.global_weight  # weights given before backward were not these
+        if agreed.zero_weight or stale:  # its gradients left during backward: sum again, counting them as zeros
+            buckets.redo(agreed.weight == 0, operation)
 
     def zero_gradients(self) -> None:
         """Set every array of :meth:`gradient_buffers` to zero (local, one fill per dtype)."""

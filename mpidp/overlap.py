@@ -54,7 +54,7 @@ import numpy as np
 from .comm import Communicator
 from .errors import CollectiveError
 
-__all__ = ["DEPTH", "Buckets", "layout"]
+__all__ = ["DEPTH", "TAPER", "Buckets", "layout"]
 
 #: Non-blocking calls in flight at once. MPICH 5.0.2 (PyPI wheel, shared memory, 2 ranks) sums 120 MB
 #: in 1 MiB Iallreduce calls 2-3x slower with every call started at once than with 1-2 in flight
@@ -67,35 +67,49 @@ THREAD_OPERATION = "reduce: Allreduce (communication thread)"
 WEIGHTS = (-1, -1)
 
 
+#: The last bucket holds at most ``bucket // TAPER`` values, each bucket before it at most twice the one
+#: after it, up to ``bucket``: what backward finishes last (the first layers) is summed after backward, so it
+#: is kept small (``benchmarks/overlap_timeline.py``: with even buckets the last one held a fifth of the ResNet
+#: stand-in's gradient). DDP tapers the other end (a small first bucket), so that the first call starts early.
+TAPER = 16
+
+
 def layout(
-    sizes: Sequence[int], order: Sequence[int], bucket: int, chunk: int
+    sizes: Sequence[int], order: Sequence[int], bucket: int, chunk: int, taper: int = TAPER
 ) -> tuple[list[int], list[list[int]], list[list[tuple[int, int]]]]:
     """Where each slot lies in the send buffer, and the buckets (slots, calls) in the order they start (pure).
 
-    ``order`` lists the slots in the order their gradients are expected;
-    a bucket closes before the slot that would take it over ``bucket``
-    values, and a call never exceeds ``chunk`` values.
+    ``order`` lists the slots in the order their gradients are expected.
+    Buckets are cut from the end of ``order``: the last one closes before
+    the slot that would take it over ``bucket // taper`` values, each one
+    before it over twice the one after it, up to ``bucket`` (a slot larger
+    than that is a bucket of its own). A call never exceeds ``chunk`` values.
     """
     bucket, chunk = max(1, bucket), max(1, chunk)
-    offset = [0] * len(sizes)
-    slots: list[list[int]] = []
-    calls: list[list[tuple[int, int]]] = []
-    filled = bucket  # no open bucket
-    at = 0
-    for s in order:
+    cap = max(1, bucket // max(1, taper))
+    groups: list[list[int]] = []  # from the last bucket back
+    filled = cap  # no open bucket
+    for s in reversed(order):
         n = sizes[s]
-        offset[s] = at
-        if filled + n > bucket:
-            slots.append([])
-            calls.append([])
+        if filled + n > cap or not groups:
+            if groups:
+                cap = min(bucket, 2 * cap)
+            groups.append([])
             filled = 0
-        slots[-1].append(s)
+        groups[-1].append(s)
         filled += n
-        at += n
-    for k, members in enumerate(slots):
+    slots = [members[::-1] for members in reversed(groups)]
+    offset = [0] * len(sizes)
+    at = 0
+    for members in slots:
+        for s in members:
+            offset[s] = at
+            at += sizes[s]
+    calls: list[list[tuple[int, int]]] = []
+    for members in slots:
         lo = offset[members[0]]
         hi = offset[members[-1]] + sizes[members[-1]]
-        calls[k] = [(a, min(a + chunk, hi)) for a in range(lo, hi, chunk)] if hi > lo else []
+        calls.append([(a, min(a + chunk, hi)) for a in range(lo, hi, chunk)] if hi > lo else [])
     return offset, slots, calls
 
 
@@ -214,6 +228,7 @@ class Buckets:
                 lo, hi = pending[0]
                 self._busy = True
                 self._called = False
+                cond.notify_all()  # for handoff()
             try:
                 self._run(lo, hi, THREAD_OPERATION)
             except CollectiveError as e:  # MPI failed inside the call: the other ranks cannot finish it
@@ -267,6 +282,19 @@ class Buckets:
         """Exchange the send and receive buffers (local; between windows): the adapter keeps the divided sums as gradients."""
         self.send, self.recv = self.recv, self.send
         self.views, self.sums = self.sums, self.views
+
+    def handoff(self) -> None:
+        """Sleep until the communication thread has begun every queued call (local; nothing without a thread).
+
+        The calling thread then holds the GIL without delaying the thread's
+        last call: that call runs in MPI, which releases the GIL.
+        """
+        if not self.threaded:
+            return
+        cond, pending = self._cond, self._pending
+        with cond:
+            while self._thread is not None and (len(pending) > 1 or (pending and not self._busy)):
+                cond.wait()
 
     def _join(self, operation: str) -> None:
         """Wait until the thread has summed every queued call; sum what a failed thread left, here (blocking)."""

@@ -186,6 +186,8 @@ class DataParallel:
         rank's must be equal, which catches a rank that skipped or repeated
         a ``reduce``.
         """
+        if self._overlap is not None:  # let the communication thread begin the last bucket before this thread's Python work
+            self._overlap.buckets.handoff()
         params = self._refresh()
         weight = _as_int(local_weight)
         if self._overlap is not None:  # the checks read .grad (a sparse one as its dense copy); the buckets move it

@@ -94,7 +94,9 @@ class Cache:
       of the last window that passed the checks: the same objects, unchanged, pass again without a
       second look (weak, so that a caller who allocates new gradients every window does not keep the
       old ones alive); ``serial`` counts the sets accepted, ``again`` says this window's set is the last
-      one, unchanged.
+      one, unchanged. ``previous``: the set accepted before it, which passes the same way (an
+      overlapped session's ``.grad`` alternate between two sets of tensors); it then becomes
+      ``accepted`` again, as a new set (``serial`` counts it, ``again`` stays False).
     * ``program``: (plan, serial, host steps, result) of the last window whose gradients were the same
       arrays as the window before: the next such window reruns the steps as they are.
     * ``plans``: presence bits -> plan, a small LRU.
@@ -103,6 +105,7 @@ class Cache:
 
     def __init__(self) -> None:
         self.accepted: dict[str, tuple[Any, tuple[Any, ...], int, Given | None]] = {}
+        self.previous: dict[str, tuple[Any, tuple[Any, ...], int, Given | None]] = {}
         self.serial = 0
         self.again = False
         self.program: tuple[Plan, int, tuple[Step, ...], dict[str, Any]] | None = None
@@ -111,7 +114,7 @@ class Cache:
 
     def forget(self) -> None:
         """Hold no gradient array any more (a window that failed, a closed session)."""
-        self.accepted, self.program, self.again = {}, None, False
+        self.accepted, self.previous, self.program, self.again = {}, {}, None, False
 
     def plan(self, key: tuple[int, ...], sizes: Sequence[int], chunk: int, kinds: Sequence[Any] | None = None) -> Plan:
         """The plan of presence words ``key`` (agreed), from the LRU or made now; ``kinds``: the slots' dtypes."""
@@ -129,14 +132,20 @@ def check_gradients(grads: Any, slots: Slots, cache: Cache, given: list[Given | 
     """Check this rank's gradients and fill ``given`` (one entry per reduction slot); the error, or None.
 
     Local. The last accepted set, unchanged, passes without a second look
-    (``cache.again``).
+    (``cache.again``), and so does the one before it (:class:`Cache`).
     """
     cache.again = False
     if not isinstance(grads, Mapping):
         return f"grads must be a mapping of names to arrays, got {type(grads).__name__}"
-    if _accepted_again(grads, cache, given):
+    if _accepted_again(grads, cache.accepted, given):
         cache.again = True
         return None
+    if _accepted_again(grads, cache.previous, given):
+        cache.accepted, cache.previous = cache.previous, cache.accepted
+        cache.serial += 1
+        cache.program = None
+        return None
+    last = cache.accepted
     cache.forget()
     cache.serial += 1
     seen: dict[int, str] = {}
@@ -159,7 +168,7 @@ def check_gradients(grads: Any, slots: Slots, cache: Cache, given: list[Given | 
     present = [x for x in given if x is not None]
     why = layout.overlap([x.view for x in present], [x.name for x in present])
     if why is None:
-        _accept(cache, given)
+        _accept(cache, given, last)
     return why
 
 
@@ -175,8 +184,8 @@ def _problem(name: str, g: Any, p: arrays.ArrayInfo) -> str | None:
     return None if why is None else f"gradient {name!r}: {why}"
 
 
-def _accept(cache: Cache, given: Sequence[Given | None]) -> None:
-    """Remember the accepted gradients, so that the same arrays pass the next window without a look."""
+def _accept(cache: Cache, given: Sequence[Given | None], last: dict[str, Any]) -> None:
+    """Remember the accepted gradients, so that the same arrays pass the next window without a look; ``last`` becomes the previous set."""
     accepted: dict[str, tuple[Any, tuple[Any, ...], int, Given | None]] = {}
     try:
         for i, x in enumerate(given):
@@ -186,14 +195,13 @@ def _accept(cache: Cache, given: Sequence[Given | None]) -> None:
                 accepted[x.name] = (weakref.ref(x.array), arrays.fingerprint(x.array), i, None)
             else:  # mpidp's own flat storage: the session holds it anyway, Given and all
                 accepted[x.name] = (weakref.ref(x.array), cache.flat.slots[i][1], i, x)
-        cache.accepted = accepted
+        cache.previous, cache.accepted = last, accepted
     except TypeError:  # an array type without weak references: checked in full every window
-        cache.accepted = {}
+        cache.previous, cache.accepted = {}, {}
 
 
-def _accepted_again(grads: Mapping[str, Any], cache: Cache, given: list[Given | None]) -> bool:
-    """Fill ``given`` if ``grads`` are the last accepted window's arrays, unchanged."""
-    accepted = cache.accepted
+def _accepted_again(grads: Mapping[str, Any], accepted: dict[str, Any], given: list[Given | None]) -> bool:
+    """Fill ``given`` if ``grads`` are the arrays of an ``accepted`` set (:class:`Cache`), unchanged."""
     if not accepted or len(grads) != len(accepted):
         return False
     fingerprint = arrays.fingerprint

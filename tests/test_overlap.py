@@ -72,13 +72,25 @@ def same_grads_everywhere(comm: MPI.Comm, a: nn.Module, b: nn.Module) -> None:
 
 
 def test_layout_puts_slots_in_order_and_splits_large_ones() -> None:
-    offset, slots, calls = layout([3, 10, 2, 2], [3, 2, 0, 1], 4, 4)
+    offset, slots, calls = layout([3, 10, 2, 2], [3, 2, 0, 1], 4, 4, taper=1)
     assert offset == [4, 7, 2, 0]
     assert slots == [[3, 2], [0], [1]]
     assert calls == [[(0, 4)], [(4, 7)], [(7, 11), (11, 15), (15, 17)]]
-    offset, slots, calls = layout([3, 10, 2, 2], [3, 2, 0, 1], 8, 3)
+    offset, slots, calls = layout([3, 10, 2, 2], [3, 2, 0, 1], 8, 3, taper=1)
     assert slots == [[3, 2, 0], [1]]
     assert calls == [[(0, 3), (3, 6), (6, 7)], [(7, 10), (10, 13), (13, 16), (16, 17)]]
+
+
+def test_layout_keeps_the_last_buckets_small() -> None:
+    """What backward finishes last is summed after it: the last bucket holds bucket // taper values, each before it twice as many."""
+    offset, slots, calls = layout([1] * 20, list(range(20)), 8, 100, taper=8)
+    assert offset == list(range(20))
+    assert slots == [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9, 10, 11, 12], [13, 14, 15, 16], [17, 18], [19]]
+    assert calls == [[(0, 5)], [(5, 13)], [(13, 17)], [(17, 19)], [(19, 20)]]
+    sizes = [40, 7, 7, 7, 3, 1, 1]  # the default taper, 16: the last bucket holds at most 4 values
+    offset, slots, calls = layout(sizes, list(range(7)), 64, 64)
+    assert [sum(sizes[s] for s in b) for b in slots] == [40, 7, 14, 3, 2]
+    assert slots[-1] == [5, 6] and offset[6] == sum(sizes) - 1
 
 
 @pytest.mark.parametrize("early", [False, True])
@@ -373,6 +385,32 @@ def test_an_exception_in_the_communication_thread_is_one_error_everywhere_then_i
         for model, session in ((plain, dp), (over, do)):  # a new thread sums the next window
             model.zero_grad()
             session.reduce(local_weight=window(comm, model))
+        same_grads_everywhere(comm, plain, over)
+
+
+def test_thread_mode_a_gradient_that_cannot_be_copied_at_reduce_is_one_error_everywhere(comm: MPI.Comm, where: tuple[bool, int]) -> None:
+    """With a thread, ``reduce`` fills and sends what backward left before the agreement: a fill that raises is agreed."""
+    mine, bad = where
+    (plain, dp), (over, do) = pair(TinyLM, comm, "thread", **SMALL)
+    with dp, do:
+        weight = window(comm, over)  # 'unused' gets no gradient: reduce fills its slot with zeros
+        before = grads(over)
+        if mine:
+
+            def refuse(slot: int) -> None:
+                raise RuntimeError("injected")
+
+            do._overlap.fill = refuse  # type: ignore[union-attr]
+        same_error_everywhere(
+            comm, lambda: do.reduce(local_weight=weight, policy=ZERO), ContractError,
+            f"rank {bad}: could not copy a gradient into its reduction bucket: RuntimeError: injected",
+        )
+        assert grads(over) == before
+        if mine:
+            del do._overlap.fill  # type: ignore[union-attr]
+        for model, session in ((plain, dp), (over, do)):  # the buckets are clean: the next window is the plain path's
+            model.zero_grad()
+            session.reduce(local_weight=window(comm, model), policy=ZERO)
         same_grads_everywhere(comm, plain, over)
 
 

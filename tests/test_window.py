@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from mpidp import arrays, contract, layout
+from mpidp import arrays, contract, layout, window
 from mpidp.window import Cache, Given, Slots, Transport, check_gradients, reduce_slots
 
 
@@ -76,6 +76,30 @@ def test_the_same_gradients_pass_again_without_a_second_look_and_are_not_kept_al
     del grads, given
     gc.collect()
     assert all(ref() is None for ref, *_ in cache.accepted.values())  # weak references only
+
+
+def test_two_sets_of_gradients_taking_turns_both_pass_without_a_second_look(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An overlapped session's ``.grad`` alternate between two sets of tensors: neither is checked in full again."""
+    _, slots = replica()
+    cache = Cache()
+    a = {"h": np.ones(5, np.float16), "w": np.ones((4, 3), np.float32)}
+    b = {"h": np.ones(5, np.float16), "w": np.ones((4, 3), np.float32)}
+    for grads in (a, b):
+        assert check_gradients(grads, slots, cache, [None] * len(slots)) is None
+    looks: list[str] = []
+    real = window._problem
+    monkeypatch.setattr(window, "_problem", lambda name, *rest: looks.append(name) or real(name, *rest))
+    for turn, grads in enumerate((a, b, a, b)):
+        given: list[Given | None] = [None] * len(slots)
+        serial = cache.serial
+        assert check_gradients(grads, slots, cache, given) is None, turn
+        assert [x.array if x else None for x in given] == [grads["h"], grads["w"]], turn
+        assert not cache.again and cache.serial == serial + 1  # a set taken back counts as new: no kept program reruns
+    assert looks == []
+    a["w"].shape = (12,)  # changed in place: checked in full, and refused
+    assert "gradient 'w': shape (12,)" in (check_gradients(a, slots, cache, [None] * len(slots)) or "")
+    assert looks == ["h", "w"]
+    assert not cache.accepted and not cache.previous  # a refused window keeps neither set
 
 
 def test_cache_plans_are_a_small_lru() -> None:

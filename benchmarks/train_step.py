@@ -264,10 +264,12 @@ def offcpu_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 MODELS["gpt2-29m"] = (lambda: GPT(50257, 384, 6, 6, 32), _tokens(50257, 1, 32))  # 29.7 M parameters, batch 1x32
 MODELS["gpt2-5m"] = (lambda: GPT(8192, 256, 4, 4, 32), _tokens(8192, 1, 32))
 MODELS["resnet-3m"] = (lambda: ResNet((32, 64, 128, 256), 10), _images(8, 10))
+MODELS["resnet-11m"] = (lambda: ResNet((64, 128, 256, 512), 10), _images(8, 10))  # ResNet-18's widths
+MODELS["resnet-25m"] = (lambda: ResNet((96, 192, 384, 768), 10), _images(8, 10))  # ResNet-50's parameter count
 MODELS["gpt2-tiny"] = (lambda: GPT(512, 64, 2, 2, 16), _tokens(512, 1, 16))  # the smoke run's
 MODELS["resnet-tiny"] = (lambda: ResNet((8, 16), 10), _images(2, 10))
 #: off-CPU stand-ins: name -> the real model they copy (the sleeps are calibrated on it in each run)
-OFFCPU = {f"offcpu-{m}": m for m in ("gpt2-5m", "gpt2-29m", "resnet-3m", "gpt2-tiny")}
+OFFCPU = {f"offcpu-{m}": m for m in ("gpt2-5m", "gpt2-29m", "resnet-3m", "resnet-11m", "resnet-25m", "gpt2-tiny")}
 
 
 # ---------------------------------------------------------------- variants
@@ -442,6 +444,36 @@ def table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def markdown(result: dict[str, Any]) -> str:
+    """The docs' table of one result: per model and variant, what is left after backward, and the step (medians; ratios as in the JSON)."""
+    meta = result["meta"]
+    lines = [
+        f"{meta['world_size']} ranks, {meta['steps']} steps, load average {meta['load_average_start'][0]:.2f} -> {meta['load_average_end'][0]:.2f}:",
+        "",
+        "| model | variant | left after slowest bwd (ms) | left vs plain | hidden | reduce part (ms) | fwd+bwd (ms) | fwd+bwd vs local | step vs DDP |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+
+    def ratio(r: dict[str, Any], key: str) -> str:
+        return f"{r[key]:.2f}x" if key in r else ""
+
+    for name, m in result["models"].items():
+        for v, r in m["variants"].items():
+            label = f"{v} ({r['overlap_mode']})" if v == "mpidp_overlap" else v
+            hidden = f"{(1 - r['left_vs_mpidp']) * 100:.0f}%" if "left_vs_mpidp" in r else ""
+            lines.append(
+                f"| {name} | {label} | {r['reduce_after_slowest_backward'] * 1e3:.1f} | {ratio(r, 'left_vs_mpidp')} | {hidden} | "
+                f"{r['reduce_after_backward'] * 1e3:.1f} | {r['forward_backward'] * 1e3:.1f} | {ratio(r, 'forward_backward_vs_local')} | "
+                f"{ratio(r, 'step_vs_ddp_gloo')} |"
+            )
+        lim = m["limits"]
+        what = f"{m['parameters'] / 1e6:.1f} M parameters; MPI Allreduce alone {lim['mpi_allreduce'] * 1e3:.1f} ms; division pass {lim['division'] * 1e3:.1f} ms"
+        if "offcpu" in m:
+            what = f"backward sleeps {m['offcpu']['backward_sleep'] * 1e3:.1f} ms; " + what
+        lines.append(f"| {name} | ({what}) | | | | | | | |")
+    return "\n".join(lines)
+
+
 def parse(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", default="gpt2-29m,gpt2-5m,resnet-3m", help="comma-separated: " + ", ".join([*MODELS, *OFFCPU]))
@@ -451,6 +483,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--bucket-bytes", type=int, default=None, help="bucket_bytes of the overlapped variants (default: chunk_bytes)")
     ap.add_argument("--quick", action="store_true", help="tiny models, 2 steps: a smoke run")
     ap.add_argument("--out", default="benchmarks/results", help="folder of train-step-np<N>.json")
+    ap.add_argument("--markdown", nargs="+", metavar="JSON", help="print the docs' tables of these results and exit (no run)")
     args = ap.parse_args(argv)
     if args.quick:
         args.models, args.steps, args.warmup = "gpt2-tiny,resnet-tiny,offcpu-gpt2-tiny", 2, 1
@@ -467,6 +500,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
+    if args.markdown:
+        if COMM.rank == 0:
+            print("\n\n".join(markdown(json.loads(Path(p).read_text())) for p in args.markdown))
+        return 0
     BUCKET_BYTES[0] = args.bucket_bytes
     torch.set_num_threads(1)  # one thread per rank
     gloo = bench.Gloo()

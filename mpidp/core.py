@@ -528,10 +528,12 @@ class DataParallel:
 
     @staticmethod
     def _redo(buckets: overlap.Buckets, agreed: Agreed, operation: str) -> None:
-        """Sum the buckets again where the agreed window says their sums do not hold (collective)."""
+        """Sum the tail, or every bucket again where the agreed window says their sums do not hold (collective)."""
         stale = buckets.divided is not None and buckets.divided != agreed.global_weight  # weights given before backward were not these
         if agreed.zero_weight or stale:  # its gradients left during backward: sum again, counting them as zeros
-            buckets.redo(agreed.weight == 0, operation)
+            buckets.redo(agreed.weight == 0, agreed.global_weight, operation)
+        else:
+            buckets.finish_tail(agreed.global_weight, operation)
 
     def zero_gradients(self) -> None:
         """Set every array of :meth:`gradient_buffers` to zero (local, one fill per dtype)."""

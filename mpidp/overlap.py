@@ -150,9 +150,20 @@ class Buckets:
         total = sum(sizes)
         self.send = np.zeros(total, np.float32)
         self.recv = np.zeros(total, np.float32)
-        #: per slot, its part of the send buffer (what this rank contributes) and of the receive buffer (the sum)
+        #: threaded: the last bucket is the *tail*, summed after the agreement, in place (module docstring)
+        self._tail = len(self._slots) - 1 if thread and self._slots else len(self._slots)
+        #: where the tail's slots always live (its gradients are summed and divided there), and where the tail starts
+        self._home = self.send
+        self._split = sum(sizes[s] for k in range(self._tail) for s in self._slots[k])
+        #: per slot, whether it is in the tail: after a successful window its sum, divided, is in its send part
+        self.fixed = [False] * len(sizes)
+        for k in range(self._tail, len(self._slots)):
+            for s in self._slots[k]:
+                self.fixed[s] = True
+        #: per slot, its part of the send buffer (what this rank contributes) and of the receive buffer (the sum);
+        #: one and the same view for a slot of the tail
         self.views = [self.send[o : o + n] for o, n in zip(offset, sizes)]
-        self.sums = [self.recv[o : o + n] for o, n in zip(offset, sizes)]
+        self.sums = [v if fixed else self.recv[o : o + n] for v, o, n, fixed in zip(self.views, offset, sizes, self.fixed)]
         self._bucket = [0] * len(sizes)
         for k, members in enumerate(self._slots):
             for s in members:
@@ -208,7 +219,8 @@ class Buckets:
             if k == 0:  # a window starts: its first call sums the weights known before backward (every rank, every window)
                 self.divided = None
                 self._pending.append(WEIGHTS)
-            self._pending.extend(self._calls[k])
+            if k < self._tail:
+                self._pending.extend(self._calls[k])
             self._next = k + 1
             if self._thread is None and self.failure is None:
                 self._thread = threading.Thread(target=self._serve, name="mpidp-communication", daemon=True)
@@ -279,9 +291,29 @@ class Buckets:
         self.expected = int(weight)
 
     def swap(self) -> None:
-        """Exchange the send and receive buffers (local; between windows): the adapter keeps the divided sums as gradients."""
+        """Exchange the send and receive buffers (local; between windows): the adapter keeps the divided sums as gradients.
+
+        The tail stays where it is (its view is both a send and a receive view).
+        """
         self.send, self.recv = self.recv, self.send
         self.views, self.sums = self.sums, self.views
+
+    def zero(self) -> None:
+        """Zero what this rank contributes: the send buffer before the tail, and the tail (local)."""
+        self.send[: self._split] = 0
+        self._home[self._split :] = 0
+
+    def finish_tail(self, weight: int, operation: str) -> None:
+        """Sum the tail in place, chunk by chunk, and divide each chunk by ``weight`` (collective; after a successful agreement).
+
+        Blocking Allreduce calls on the session's communicator; a division
+        by ``float32(weight)`` right after each call, as the plain path's.
+        """
+        home, w = self._home, np.float32(weight)
+        for calls in self._calls[self._tail :]:
+            for lo, hi in calls:
+                self.watched.Allreduce(home[lo:hi], operation)
+                np.divide(home[lo:hi], w, out=home[lo:hi])
 
     def handoff(self) -> None:
         """Sleep until the communication thread has begun every queued call (local; nothing without a thread).
@@ -394,15 +426,18 @@ class Buckets:
         self.wait(operation)
         self.reset()
 
-    def redo(self, zero: bool, operation: str) -> None:
+    def redo(self, zero: bool, weight: int, operation: str) -> None:
         """Sum every bucket again with blocking calls, this rank's contribution zeroed if ``zero`` (collective).
 
         For windows in which a rank turned out to have weight 0: its
-        gradients were already on their way, but count as zeros.
+        gradients were already on their way, but count as zeros. The sums
+        are left undivided (:attr:`divided` None), but for the tail's, which
+        :meth:`finish_tail` divides by ``weight``.
         """
         if zero:
-            self.send[...] = 0
+            self.zero()
         self.divided = None
-        for calls in self._calls:
+        for calls in self._calls[: self._tail]:
             for lo, hi in calls:
                 self.watched.Allreduce_into(self.send[lo:hi], self.recv[lo:hi], operation)
+        self.finish_tail(weight, operation)

@@ -42,7 +42,8 @@ class Overlap:
         self.params = [params[h] for h in heads]
         #: each slot's part of the send buffer, shaped like its parameter (float32); the receive buffer's, likewise
         self.send = [torch.from_numpy(v).view(p.shape) for v, p in zip(self.buckets.views, self.params)]
-        self.recv = [torch.from_numpy(v).view(p.shape) for v, p in zip(self.buckets.sums, self.params)]
+        # a slot of the tail is summed where it lies: its send and receive tensors are one
+        self.recv = [t if fixed else torch.from_numpy(v).view(p.shape) for t, v, p, fixed in zip(self.send, self.buckets.sums, self.params, self.buckets.fixed)]
         self.fp32 = [p.dtype == torch.float32 for p in self.params]
         self.paused = 0  # no_sync depth: backward passes that only accumulate
         self.running = False  # a backward pass made a slot ready and has not ended yet
@@ -113,14 +114,17 @@ class Overlap:
                 p.grad = None
                 continue
             g, t, total = p.grad, self.send[i], self.buckets.sums[i]
+            fixed = self.buckets.fixed[i]  # the tail's sums are divided already, in the send slot
             if self.fp32[i]:
-                np.divide(total, w, out=self.buckets.views[i])
+                if not fixed:
+                    np.divide(total, w, out=self.buckets.views[i])
                 if g is None or g is t or g.layout != torch.strided:
                     p.grad = t
                 else:
                     g.copy_(t)
                 continue
-            np.divide(total, w, out=total)
+            if not fixed:
+                np.divide(total, w, out=total)
             result = torch.from_numpy(total).view(p.shape)
             if g is None or g.layout != torch.strided:
                 p.grad = result.to(p.dtype)
@@ -158,7 +162,7 @@ class Overlap:
 
     def zero_grad(self) -> None:
         """Zero every send slot and every ``.grad`` that is not one (local)."""
-        self.buckets.send.fill(0)
+        self.buckets.zero()
         for p, t in zip(self.params, self.send):
             if p.grad is not None and p.grad is not t:
                 p.grad.zero_()

@@ -9,10 +9,12 @@ It trains one of ``train_step.py``'s models with ``overlap="thread"`` (and,
 unless ``--no-weight``, ``dp.expect_weight`` before backward) for
 ``--steps`` steps and prints, for the last ones, when each bucket was queued
 and when the communication thread's calls ran, relative to the end of
-backward on rank 0, then the parts of ``reduce``: the agreement (checks and
-exchange) and the rest. A probe, not a benchmark: it wraps private methods
-of the session to read the clock (``Buckets._queue``, the buckets'
-communicator's ``Allreduce_into``, ``DataParallel.agree_window``).
+backward on rank 0, then the parts of ``reduce``: the checks, the agreement
+(checks and exchange), and the last bucket, summed in place after it
+(``tail``). A probe, not a benchmark: it wraps private methods of the
+session to read the clock (``Buckets._queue``, the buckets'
+communicator's ``Allreduce_into``, ``DataParallel.agree_window`` and
+``_check_window``, ``Buckets.finish_tail``).
 """
 
 from __future__ import annotations
@@ -81,6 +83,7 @@ def main() -> int:
     wrap(buckets, "_queue", "queue")
     wrap(dp._core, "agree_window", "agreement")
     wrap(dp._core, "_check_window", "checks")
+    wrap(buckets, "finish_tail", "tail")
     for step in range(args.steps):
         events.clear()
         COMM.Barrier()

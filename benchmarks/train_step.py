@@ -445,12 +445,12 @@ def table(result: dict[str, Any]) -> str:
 
 
 def markdown(result: dict[str, Any]) -> str:
-    """The docs' table of one result: per model and variant, what is left after backward, and the step (medians; ratios as in the JSON)."""
+    """The docs' table of one result: per model and variant, the step and what is left after backward (medians; ratios as in the JSON)."""
     meta = result["meta"]
     lines = [
         f"{meta['world_size']} ranks, {meta['steps']} steps, load average {meta['load_average_start'][0]:.2f} -> {meta['load_average_end'][0]:.2f}:",
         "",
-        "| model | variant | left after slowest bwd (ms) | left vs plain | hidden | reduce part (ms) | fwd+bwd (ms) | fwd+bwd vs local | step vs DDP |",
+        "| model | variant | step (ms) | fwd+bwd (ms) | left after slowest bwd (ms) | left vs plain | hidden | fwd+bwd vs local | step vs DDP |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
 
@@ -463,12 +463,15 @@ def markdown(result: dict[str, Any]) -> str:
             mpidp = v.startswith("mpidp")  # left vs the plain path: mpidp's variants only (DDP's reduction is inside its backward)
             hidden = f"{(1 - r['left_vs_mpidp']) * 100:.0f}%" if mpidp and "left_vs_mpidp" in r else ""
             lines.append(
-                f"| {name} | {label} | {r['reduce_after_slowest_backward'] * 1e3:.1f} | {ratio(r, 'left_vs_mpidp') if mpidp else ''} | {hidden} | "
-                f"{r['reduce_after_backward'] * 1e3:.1f} | {r['forward_backward'] * 1e3:.1f} | {ratio(r, 'forward_backward_vs_local')} | "
-                f"{ratio(r, 'step_vs_ddp_gloo')} |"
+                f"| {name} | {label} | {r['step'] * 1e3:.1f} | {r['forward_backward'] * 1e3:.1f} | "
+                f"{r['reduce_after_slowest_backward'] * 1e3:.1f} | {ratio(r, 'left_vs_mpidp') if mpidp else ''} | {hidden} | "
+                f"{ratio(r, 'forward_backward_vs_local')} | {ratio(r, 'step_vs_ddp_gloo')} |"
             )
         lim = m["limits"]
-        what = f"{m['parameters'] / 1e6:.1f} M parameters; MPI Allreduce alone {lim['mpi_allreduce'] * 1e3:.1f} ms; division pass {lim['division'] * 1e3:.1f} ms"
+        what = (
+            f"{m['parameters'] / 1e6:.1f} M parameters; Allreduce alone MPI {lim['mpi_allreduce'] * 1e3:.1f} ms, "
+            f"gloo {lim['gloo_allreduce'] * 1e3:.1f} ms; division pass {lim['division'] * 1e3:.1f} ms"
+        )
         if "offcpu" in m:
             what = f"backward sleeps {m['offcpu']['backward_sleep'] * 1e3:.1f} ms; " + what
         lines.append(f"| {name} | ({what}) | | | | | | | |")

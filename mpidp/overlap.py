@@ -34,6 +34,14 @@ the other ranks could not finish the call); any other one is recorded in
 :attr:`Buckets.failure` and the calling thread sums what the thread left,
 blocking, so that the window's collectives still match.
 
+The thread never sums the last bucket, the *tail*: what backward finishes
+last is summed after it anyway, and the thread's out-of-place calls (the
+caller's gradients are never written before the window is agreed) cost
+MPICH an extra copy. Once the window is agreed, :meth:`Buckets.finish_tail`
+sums the tail in place, where the adapter's gradients lie, and divides it
+(:attr:`Buckets.fixed` marks its slots). :data:`TAPER` keeps it small where
+the first layers are small.
+
 The buckets use a communicator of their own, so the window's agreement (on
 the session's communicator) may run while they are in flight. Every window
 starts every bucket exactly once, on every rank, whatever happens: a window

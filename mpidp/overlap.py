@@ -34,10 +34,10 @@ the other ranks could not finish the call); any other one is recorded in
 :attr:`Buckets.failure` and the calling thread sums what the thread left,
 blocking, so that the window's collectives still match.
 
-The thread never sums the last bucket, the *tail*: what backward finishes
-last is summed after it anyway, and the thread's out-of-place calls (the
-caller's gradients are never written before the window is agreed) cost
-MPICH an extra copy. Once the window is agreed, :meth:`Buckets.finish_tail`
+Neither mode sums the last bucket during backward, the *tail*: what
+backward finishes last is summed after it anyway, and the out-of-place
+calls (the caller's gradients are never written before the window is
+agreed) cost MPICH an extra copy. Once the window is agreed, :meth:`Buckets.finish_tail`
 sums the tail in place, where the adapter's gradients lie, and divides it
 (:attr:`Buckets.fixed` marks its slots). :data:`TAPER` keeps it small where
 the first layers are small.
@@ -158,8 +158,8 @@ class Buckets:
         total = sum(sizes)
         self.send = np.zeros(total, np.float32)
         self.recv = np.zeros(total, np.float32)
-        #: threaded: the last bucket is the *tail*, summed after the agreement, in place (module docstring)
-        self._tail = len(self._slots) - 1 if thread and self._slots else len(self._slots)
+        #: the last bucket is the *tail*, summed after the agreement, in place (module docstring)
+        self._tail = max(0, len(self._slots) - 1)
         #: where the tail's slots always live (its gradients are summed and divided there), and where the tail starts
         self._home = self.send
         self._split = sum(sizes[s] for k in range(self._tail) for s in self._slots[k])
@@ -220,7 +220,8 @@ class Buckets:
 
     def _queue(self, k: int) -> None:
         if not self.threaded:
-            self._pending.extend(self._calls[k])
+            if k < self._tail:
+                self._pending.extend(self._calls[k])
             self._next = k + 1
             return
         with self._cond:

@@ -182,3 +182,17 @@ def test_casts_benchmark_times_every_way(tmp_path: Path) -> None:
     )
     assert report.returncode == 0, report.stderr
     assert report.stdout.count("\n| 8,192 |") == 4 and "| values | cast | NumPy / ml_dtypes |" in report.stdout
+
+
+def test_inplace_benchmark_times_both_ways() -> None:
+    """benchmarks/inplace.py: in-place and out-of-place sums, both timed, and their ratio printed."""
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "inplace.py"), "--mib", "0.5", "--chunk-mib", "0.125", "--reps", "2"],
+        check=False, capture_output=True, text=True, timeout=TIMEOUT, env=clean_env(),
+    )
+    assert run.returncode == 0, run.stderr
+    lines = run.stdout.splitlines()
+    assert lines[0].startswith("0.5 MB in 0.125 MiB calls, 1 ranks, medians of 2"), run.stdout
+    times = {line.split("  ")[1].strip(): float(line.split()[-2]) for line in lines[1:3]}
+    assert set(times) == {"in place", "out of place"} and all(t > 0 for t in times.values()), run.stdout
+    assert lines[3].strip().startswith("out of place / in place: "), run.stdout

@@ -457,7 +457,10 @@ class DataParallel:
         backward did not make ready, every bucket is finished, and the buckets'
         ``sums`` hold the sums over the ranks (a rank of weight 0 counted as
         zeros) for the caller to divide by the global weight, or, where the
-        buckets' :attr:`~mpidp.overlap.Buckets.divided` is set, already divided by it.
+        buckets' :attr:`~mpidp.overlap.Buckets.divided` is set, already divided by it;
+        the last bucket's (:attr:`~mpidp.overlap.Buckets.fixed`) always are,
+        summed in place after the agreement. With a communication thread the
+        buckets are finished before the exchange (:meth:`_reduce_threaded`).
         """
         buckets = self._buckets
         assert buckets is not None, "reduction_buckets() first"

@@ -20,6 +20,7 @@ import argparse
 import statistics
 import sys
 import time
+from collections.abc import Callable
 
 import numpy as np
 from mpi4py import MPI
@@ -51,11 +52,11 @@ def main(argv: list[str] | None = None) -> int:
             COMM.Allreduce(send[lo : lo + chunk], part, MPI.SUM)
             np.divide(part, weight, out=part)
 
-    def timed(fn: object) -> float:
+    def timed(fn: Callable[[], None]) -> float:
         send.fill(1.0)  # written memory, the same values every time
         COMM.Barrier()
         t0 = time.perf_counter()
-        fn()  # type: ignore[operator]
+        fn()
         return float(COMM.allreduce(time.perf_counter() - t0, op=MPI.MAX))
 
     timed(in_place), timed(out_of_place)  # warm-up: pages faulted in, MPI's buffers made

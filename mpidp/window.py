@@ -97,8 +97,9 @@ class Cache:
       one, unchanged. ``previous``: the set accepted before it, which passes the same way (an
       overlapped session's ``.grad`` alternate between two sets of tensors); it then becomes
       ``accepted`` again, as a new set (``serial`` counts it, ``again`` stays False).
-    * ``program``: (plan, serial, host steps, result) of the last window whose gradients were the same
-      arrays as the window before: the next such window reruns the steps as they are.
+    * ``program``: (plan, serial, host steps, result, given) of the last window whose gradients were the
+      same arrays as the window before: the next such window reruns the steps as they are, and its
+      check reuses that window's ``given`` (views and all) instead of viewing every array again.
     * ``plans``: presence bits -> plan, a small LRU.
     * ``flat``: the persistent flat gradient storage (:meth:`DataParallel.gradient_buffers`), once asked for.
     """
@@ -108,7 +109,7 @@ class Cache:
         self.previous: dict[str, tuple[Any, tuple[Any, ...], int, Given | None]] = {}
         self.serial = 0
         self.again = False
-        self.program: tuple[Plan, int, tuple[Step, ...], dict[str, Any]] | None = None
+        self.program: tuple[Plan, int, tuple[Step, ...], dict[str, Any], tuple[Given | None, ...]] | None = None
         self.plans: dict[tuple[int, ...], Plan] = {}
         self.flat: layout.FlatGradients | None = None
 
@@ -137,7 +138,9 @@ def check_gradients(grads: Any, slots: Slots, cache: Cache, given: list[Given | 
     cache.again = False
     if not isinstance(grads, Mapping):
         return f"grads must be a mapping of names to arrays, got {type(grads).__name__}"
-    if _accepted_again(grads, cache.accepted, given):
+    program = cache.program
+    kept = program[4] if program is not None and program[1] == cache.serial else None
+    if _accepted_again(grads, cache.accepted, given, kept):
         cache.again = True
         return None
     if _accepted_again(grads, cache.previous, given):
@@ -200,8 +203,16 @@ def _accept(cache: Cache, given: Sequence[Given | None], last: dict[str, Any]) -
         cache.previous, cache.accepted = {}, {}
 
 
-def _accepted_again(grads: Mapping[str, Any], accepted: dict[str, Any], given: list[Given | None]) -> bool:
-    """Fill ``given`` if ``grads`` are the arrays of an ``accepted`` set (:class:`Cache`), unchanged."""
+def _accepted_again(
+    grads: Mapping[str, Any], accepted: dict[str, Any], given: list[Given | None],
+    kept: Sequence[Given | None] | None = None,
+) -> bool:
+    """Fill ``given`` if ``grads`` are the arrays of an ``accepted`` set (:class:`Cache`), unchanged.
+
+    ``kept``: the ``given`` of the window that cut the cached program, on
+    the same set (its views are reused instead of made again; the program
+    holds those arrays anyway).
+    """
     if not accepted or len(grads) != len(accepted):
         return False
     fingerprint = arrays.fingerprint
@@ -210,8 +221,11 @@ def _accepted_again(grads: Mapping[str, Any], accepted: dict[str, Any], given: l
         if entry is None or entry[0]() is not g or fingerprint(g) != entry[1]:
             given[:] = [None] * len(given)
             return False
-        kept = entry[3]  # mpidp's own flat storage, unchanged since its fingerprint was taken
-        given[entry[2]] = kept if kept is not None else Given(name, g, arrays.view(g), None)
+        if kept is None:
+            own = entry[3]  # mpidp's own flat storage, unchanged since its fingerprint was taken
+            given[entry[2]] = own if own is not None else Given(name, g, arrays.view(g), None)
+    if kept is not None:
+        given[:] = kept
     return True
 
 
@@ -254,7 +268,7 @@ def reduce_slots(
     elif cache.again and weight > 0 and all(x is not None for x in given) and all(s.original is None for s in slots if s is not None):
         # the second window in a row on the same arrays: keep the cut views for the next one
         work = steps(calls, slots, transport.stage, transport.scatter)
-        cache.program = (entry, cache.serial, work, dict(out))
+        cache.program = (entry, cache.serial, work, dict(out), tuple(given))
         run_steps(work, moves, global_weight)
     else:
         reduce_calls(calls, slots, transport.stage, moves, global_weight, transport.scatter)

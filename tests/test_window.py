@@ -137,3 +137,37 @@ def test_flat_storage_gradients_reuse_their_prepared_slots() -> None:
     assert check_gradients(grads, slots, cache, given) is None
     assert all(x is not None and x.prepared is cache.flat.slots[i][3] for i, x in enumerate(given))
     assert arrays.view(grads["h"]).base is not None
+
+
+def test_a_kept_program_reuses_its_windows_views_until_the_arrays_change(monkeypatch: pytest.MonkeyPatch) -> None:
+    """From the third window on the same caller arrays, neither checks nor views are made again; results stay right."""
+    _, slots = replica()
+    cache = Cache()
+    grads = {"h": np.ones(5, np.float16), "w": np.ones((4, 3), np.float32)}
+    transport = Transport(Alone(), np.empty(1024, np.float32), None)  # type: ignore[arg-type]
+    entry = cache.plan(tuple(slots.presence([True, True]).tolist()), slots.sizes, 1024)
+    views: list[int] = []
+    real = arrays.view
+    monkeypatch.setattr(arrays, "view", lambda x: views.append(id(x)) or real(x))
+
+    def window_of(fill: float) -> list[Given | None]:
+        for g in grads.values():
+            g[...] = fill
+        given: list[Given | None] = [None] * len(slots)
+        assert check_gradients(grads, slots, cache, given) is None
+        out = reduce_slots(transport, cache, entry, slots.groups, given, 2, 4, "test")
+        assert out["h"] is grads["h"] and out["w"] is grads["w"]
+        assert (grads["h"] == np.float16(fill / 4)).all() and (grads["w"] == np.float32(fill / 4)).all()
+        return given
+
+    window_of(8)  # checked in full
+    second = window_of(4)  # the same arrays: viewed again, and the program is kept
+    assert cache.program is not None and len(views) == 4
+    for fill in (12, 16, 20):  # reruns: the second window's Given, views and all
+        assert window_of(fill) == second and len(views) == 4
+    grads["h"].shape = (5, 1)  # changed in place: its fingerprint no longer matches
+    assert "gradient 'h': shape (5, 1)" in (check_gradients(grads, slots, cache, [None] * len(slots)) or "")
+    assert cache.program is None
+    grads["h"].shape = (5,)
+    window_of(8)  # accepted as a new set: views made again
+    assert len(views) == 6

@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import importlib.metadata
 import json
 import math
 import os
@@ -711,11 +712,9 @@ def machine() -> dict[str, Any]:
     except OSError:
         pass
     versions = {"python": platform.python_version(), "numpy": np.__version__, "mpi4py": __import__("mpi4py").__version__}
-    try:
-        import torch
-
-        versions["torch"] = torch.__version__
-    except ImportError:
+    try:  # the installed version, without importing torch (that would switch mpidp to torch's casts)
+        versions["torch"] = importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
         pass
     return {
         "cpu": cpu,
@@ -811,6 +810,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if gloo is not None:
             gloo.close()
     result["meta"]["load_average_end"] = os.getloadavg()
+    result["meta"]["casts_end"] = casts()  # must still be "casts": nothing on the way may switch them
     result["meta"]["seconds"] = time.time() - started
     result["targets"] = report.targets(result)
     if COMM.rank == 0:

@@ -7,6 +7,8 @@ anything was: CI never gates on wall-clock time or on a ratio.
 
 from __future__ import annotations
 
+import importlib.metadata
+import importlib.util
 import json
 import math
 import subprocess
@@ -62,6 +64,7 @@ def test_quick_run_writes_every_key(quick: tuple[dict[str, Any], Path, str]) -> 
     assert meta["world_size"] == RANKS and meta["quick"] is True
     assert {"machine", "load_average_start", "load_average_end", "command", "chunk_bytes", "casts"} <= set(meta)
     assert meta["casts"] == ("torch" if meta["torch"] else "numba" if meta["numba"] else "numpy")
+    assert meta["casts_end"] == meta["casts"]
     assert set(result["sets"]) == {"gpt2-mini", "tiny"}
     for name, s in result["sets"].items():
         assert {"tensors", "parameters", "fp32_bytes", "limits", "variants"} <= set(s), name
@@ -96,6 +99,25 @@ def test_quick_run_prints_the_table_and_draws_the_chart(quick: tuple[dict[str, A
     assert "ratio" in stdout and "targets (issue 5" in stdout
     png = out / "quick.png"
     assert png.exists() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_no_torch_run_stays_on_the_casts_it_names(tmp_path: Path) -> None:
+    """--no-torch times what a process without torch gets: nothing in the run may import torch and switch the casts."""
+    try:
+        p = subprocess.run(
+            [MPIEXEC, "-n", "2", sys.executable, "-m", "mpi4py", str(BENCH), "--quick", "--no-torch", "--sets", "tiny",
+             "--variants", "mpidp_mixed_arrays", "--chunks-set", "tiny", "--no-plot", "--out", str(tmp_path)],
+            check=False, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=TIMEOUT,
+            env=clean_env(), cwd=ROOT,
+        )
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"the quick benchmark did not finish in {TIMEOUT} s:\n{e.output}")
+    assert p.returncode == 0, p.stdout
+    meta = json.loads((tmp_path / "quick-np2.json").read_text())["meta"]
+    assert meta["torch"] is False
+    assert meta["casts"] != "torch" and meta["casts_end"] == meta["casts"], meta
+    if importlib.util.find_spec("torch") is not None:  # its version is still reported, read without importing it
+        assert meta["machine"]["versions"]["torch"] == importlib.metadata.version("torch")
 
 
 def test_readme_shows_the_committed_results() -> None:

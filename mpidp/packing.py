@@ -21,7 +21,7 @@ import numpy as np
 from . import arrays
 
 __all__ = [
-    "BCAST_OWN_BYTES", "BCAST_SPLIT_BYTES", "DEFAULT_CHUNK_BYTES", "NUMBA_CASTS", "REDUCTIONS", "SCATTER_MIN", "TORCH_CASTS", "Call", "Moves",
+    "BCAST_OWN_BYTES", "BCAST_SPLIT_BYTES", "DEFAULT_CHUNK_BYTES", "NUMBA_CASTS", "REDUCTIONS", "SCATTER_MIN", "SCATTER_MIN_FP32", "TORCH_CASTS", "Call", "Moves",
     "Scatter", "Segment", "Slot", "Step", "bcast_calls", "direct", "plan", "reduce_calls", "reduce_scatter_for", "run_steps",
     "slot", "steps", "write_back",
 ]
@@ -372,9 +372,13 @@ def _unpack(dst: np.ndarray, src: np.ndarray, op: Callable[..., Any], operand: n
 
 #: Values of ``MPIDP_REDUCTION``: how a host call is summed (agreed in ``initialize``).
 REDUCTIONS = ("auto", "allreduce", "reduce_scatter")
-#: ``auto`` reduce-scatters calls of at least this many units (shorter calls: one Allreduce
+#: ``auto`` reduce-scatters 16-bit calls of at least this many units (shorter calls: one Allreduce
 #: costs less than two collectives).
 SCATTER_MIN = 1 << 15
+#: ``auto`` reduce-scatters float32 calls of at least this many units (1 MiB): float32 saves only
+#: the division of (n-1)/n of the values, which must outweigh a second collective's latency (a
+#: 0.4 MiB call at 4 ranks took 1.39x the Allreduce's time reduce-scattered).
+SCATTER_MIN_FP32 = 1 << 18
 #: ``auto`` reduce-scatters float32 calls from this many ranks on (measured: slower at 2, faster at 3 and 4).
 SCATTER_MIN_RANKS_FP32 = 3
 
@@ -383,21 +387,22 @@ def reduce_scatter_for(length: int, dtype: Any, size: int, mode: str) -> bool:
     """Whether a call of ``length`` units of one ``dtype`` (None: mixed) is reduce-scattered (pure; agreed facts only).
 
     ``allreduce``: never. ``reduce_scatter``: every call of one dtype.
-    ``auto``: calls of at least :data:`SCATTER_MIN` units, 16-bit ones on two
-    ranks or more and float32 ones on :data:`SCATTER_MIN_RANKS_FP32` or more.
-    The owners divide (and cast) 1/n of the values instead of all of them
-    after an Allreduce, and for 16-bit the Allgather moves 2-byte values.
-    float32 saves only the division: on shared memory its pair of
-    collectives was 0.66-0.96x the Allreduce's time at 3 and 4 ranks but
-    1.03-1.18x at 2 (docs/performance.md).
+    ``auto``: 16-bit calls of at least :data:`SCATTER_MIN` units on two
+    ranks or more, float32 ones of at least :data:`SCATTER_MIN_FP32` units
+    on :data:`SCATTER_MIN_RANKS_FP32` ranks or more. The owners divide (and
+    cast) 1/n of the values instead of all of them after an Allreduce, and
+    for 16-bit the Allgather moves 2-byte values. float32 saves only the
+    division: on shared memory its pair of collectives was 0.66-0.96x the
+    Allreduce's time at 3 and 4 ranks but 1.03-1.18x at 2, and slower for
+    short calls (docs/performance.md).
     """
     if dtype is None or mode == "allreduce":
         return False
     if mode == "reduce_scatter":
         return True
-    if length < SCATTER_MIN:
-        return False
-    return size >= (SCATTER_MIN_RANKS_FP32 if dtype == np.float32 else 2)
+    if dtype == np.float32:
+        return length >= SCATTER_MIN_FP32 and size >= SCATTER_MIN_RANKS_FP32
+    return length >= SCATTER_MIN and size >= 2
 
 
 class Scatter(NamedTuple):

@@ -20,9 +20,9 @@ from replicas import BF16, ZERO
 import mpidp
 from mpidp import ContractError
 from mpidp import comm as mpidp_comm
-from mpidp.packing import SCATTER_MIN, Moves, Scatter, plan, reduce_calls, reduce_scatter_for, slot
+from mpidp.packing import SCATTER_MIN, SCATTER_MIN_FP32, Moves, Scatter, plan, reduce_calls, reduce_scatter_for, slot
 
-#: name -> (size, dtype): odd sizes, sizes below any world size, 16-bit calls long enough for ``auto``
+#: name -> (size, dtype): odd sizes, sizes below any world size, calls long enough for ``auto``
 SHAPES = {
     "one": (1, np.float16),
     "three": (3, BF16),
@@ -30,7 +30,7 @@ SHAPES = {
     "pair": (2, np.float16),
     "long_bf16": (SCATTER_MIN * 2 + 1, BF16),
     "long_fp16": (SCATTER_MIN + 3, np.float16),
-    "long_fp32": (65_537, np.float32),
+    "long_fp32": (SCATTER_MIN_FP32 + 1, np.float32),
     "even_bf16": (3 * 4 * 5 * 1000, BF16),
     "absent": (11, BF16),  # no rank with weight has a gradient for it: stays absent
     "zeroed": (13, np.float32),  # only rank 0 has one (policy ZERO)
@@ -142,8 +142,9 @@ def test_the_rule_uses_agreed_facts_only() -> None:
     assert reduce_scatter_for(SCATTER_MIN, f16, 2, "auto") and reduce_scatter_for(SCATTER_MIN, np.dtype(BF16), 4, "auto")
     assert not reduce_scatter_for(SCATTER_MIN - 1, f16, 4, "auto")
     assert not reduce_scatter_for(1 << 20, f32, 2, "auto")  # float32: the Allreduce at 2 ranks,
-    assert reduce_scatter_for(SCATTER_MIN, f32, 3, "auto") and reduce_scatter_for(1 << 20, f32, 4, "auto")  # from 3 on
-    assert not reduce_scatter_for(SCATTER_MIN - 1, f32, 4, "auto")
+    assert reduce_scatter_for(SCATTER_MIN_FP32, f32, 3, "auto") and reduce_scatter_for(1 << 20, f32, 4, "auto")  # from 3 on
+    assert not reduce_scatter_for(SCATTER_MIN_FP32 - 1, f32, 4, "auto")  # float32's own minimum: 1 MiB,
+    assert not reduce_scatter_for(105_814, f32, 4, "auto") and reduce_scatter_for(105_814, f16, 4, "auto")  # 16-bit's lower
     assert not reduce_scatter_for(1 << 20, f16, 1, "auto")
 
 

@@ -79,6 +79,10 @@ def table(result: dict[str, Any]) -> str:
         f"16-bit casts: {m.get('casts', 'numpy')} (torch's kernels when the process has imported torch, else NumPy / ml_dtypes)",
         "ratio = median over repetitions of (candidate / raw limit timed next to it)",
     ]
+    pages = m["machine"].get("huge_pages")
+    if pages is not None:  # NumPy's large arrays on huge pages or not: on a VM, single timings moved up to 3x
+        lines.insert(3, f"transparent huge pages: {pages['transparent_hugepage']}; "
+                        f"NUMPY_MADVISE_HUGEPAGE={pages['NUMPY_MADVISE_HUGEPAGE'] or '(unset: NumPy asks for them)'}")
     for name, s in result["sets"].items():
         ar, bc = s["limits"]["allreduce"], s["limits"]["bcast"]
         lines += [

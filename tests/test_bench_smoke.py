@@ -11,6 +11,7 @@ import importlib.metadata
 import importlib.util
 import json
 import math
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -218,3 +219,27 @@ def test_inplace_benchmark_times_both_ways() -> None:
     times = {line.split("  ")[1].strip(): float(line.split()[-2]) for line in lines[1:3]}
     assert set(times) == {"in place", "out of place"} and all(t > 0 for t in times.values()), run.stdout
     assert lines[3].strip().startswith("out of place / in place: "), run.stdout
+
+
+@pytest.mark.skipif(not (ROOT / ".git").exists() or shutil.which("git") is None, reason="needs a git checkout")
+def test_versus_compares_with_a_revision_in_one_process(tmp_path: Path) -> None:
+    out = tmp_path / "versus.json"
+    p = subprocess.run(
+        [MPIEXEC, "-n", "2", sys.executable, "-m", "mpi4py", str(ROOT / "benchmarks" / "versus.py"), "--rev", "HEAD",
+         "--sets", "tiny", "--reps", "2", "--casts", "numpy", "--out", str(out)],
+        check=False, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=TIMEOUT, env=clean_env(), cwd=ROOT,
+    )
+    assert p.returncode == 0, p.stdout
+    result = json.loads(out.read_text())
+    assert result["meta"]["rev"] == "HEAD" and result["meta"]["world_size"] == 2
+    rows = result["rows"]
+    assert {(r["mix"], r["kind"]) for r in rows} == {(m, k) for m in ("fp32", "mixed") for k in ("buffers", "arrays")}
+    for r in rows:
+        assert positive(r["ratio"]) and r["ratio_min"] <= r["ratio"] <= r["ratio_max"]
+        assert positive(r["revision_seconds"]) and positive(r["checkout_seconds"])
+    assert "this checkout / mpidp at HEAD" in p.stdout
+    bad = subprocess.run(
+        [MPIEXEC, "-n", "1", sys.executable, "-m", "mpi4py", str(ROOT / "benchmarks" / "versus.py"), "--rev", "no-such-revision"],
+        check=False, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=TIMEOUT, env=clean_env(), cwd=ROOT,
+    )
+    assert bad.returncode != 0 and "cannot read mpidp at 'no-such-revision'" in bad.stdout

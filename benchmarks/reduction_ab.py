@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +23,7 @@ from mpi4py import MPI
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import gradsets
+import pairs
 
 import mpidp
 from mpidp import packing
@@ -58,29 +57,11 @@ def main() -> None:
         grads = dp.gradient_buffers() if a.kind == "buffers" else {n: np.empty(s, gradsets.dtype_of(a.mix, s)) for n, s in layout}
         sessions[mode] = (dp, grads)
 
-    def once(mode: str) -> float:
-        dp, grads = sessions[mode]
-        for g in grads.values():
-            g.fill(1.0 + COMM.rank / 8)
-        COMM.Barrier()
-        t0 = time.perf_counter()
-        dp.reduce(grads, 1 + (COMM.rank == 0))
-        return float(COMM.allreduce(time.perf_counter() - t0, op=MPI.MAX))
-
-    once("allreduce")
-    once(a.mode)
-    ratios, base, other = [], [], []
-    for r in range(a.reps):
-        first, second = ("allreduce", a.mode) if r % 2 == 0 else (a.mode, "allreduce")
-        t = {first: once(first)}
-        t[second] = once(second)
-        ratios.append(t[a.mode] / t["allreduce"])
-        base.append(t["allreduce"])
-        other.append(t[a.mode])
+    res = pairs.alternate(sessions["allreduce"], sessions[a.mode], a.reps)
     if COMM.rank == 0:
         print(f"{a.set} {a.mix} {a.kind}, {a.casts} casts, {COMM.size} ranks: {a.mode} / allreduce "
-              f"median {statistics.median(ratios):.3f} (min {min(ratios):.3f}, max {max(ratios):.3f}); "
-              f"allreduce {statistics.median(base) * 1e3:.1f} ms, {a.mode} {statistics.median(other) * 1e3:.1f} ms")
+              f"median {res['ratio']:.3f} (min {res['ratio_min']:.3f}, max {res['ratio_max']:.3f}); "
+              f"allreduce {res['base_seconds'] * 1e3:.1f} ms, {a.mode} {res['other_seconds'] * 1e3:.1f} ms")
     for dp, _ in sessions.values():
         dp.close()
 

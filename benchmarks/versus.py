@@ -26,12 +26,10 @@ import argparse
 import io
 import json
 import re
-import statistics
 import subprocess
 import sys
 import tarfile
 import tempfile
-import time
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -42,6 +40,7 @@ from mpi4py import MPI
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import gradsets
+import pairs
 
 import mpidp
 from mpidp import packing
@@ -63,7 +62,10 @@ def extract(rev: str, into: Path) -> ModuleType:
         raise SystemExit(f"versus: cannot read mpidp at {rev!r} with git archive: {err.decode().strip() or e}") from e
     name = "mpidp_" + re.sub(r"\W", "_", rev)
     with tarfile.open(fileobj=io.BytesIO(data)) as tar:
-        tar.extractall(into, filter="data")
+        if hasattr(tarfile, "data_filter"):  # Python 3.12, and 3.10.12 / 3.11.4 on
+            tar.extractall(into, filter="data")
+        else:  # pragma: no cover - older patch releases: git's own archive of a revision
+            tar.extractall(into)
     (into / "mpidp").rename(into / name)
     for py in (into / name).glob("*.py"):  # the library's modules (examples/ are scripts, never imported by them)
         found = ABSOLUTE.search(py.read_text())
@@ -71,16 +73,6 @@ def extract(rev: str, into: Path) -> ModuleType:
             raise SystemExit(f"versus: {py.name} at {rev} imports mpidp absolutely ({found.group(0).strip()!r}); cannot load it beside this checkout")
     sys.path.insert(0, str(into))
     return __import__(name)
-
-
-def window(dp: Any, grads: dict[str, Any]) -> float:
-    """One reduce window from the same values; the slowest rank's seconds (collective)."""
-    for g in grads.values():
-        g.fill(1.0 + COMM.rank / 8)
-    COMM.Barrier()
-    t0 = time.perf_counter()
-    dp.reduce(grads, 1 + (COMM.rank == 0))
-    return float(COMM.allreduce(time.perf_counter() - t0, op=MPI.MAX))
 
 
 def compare(old: ModuleType, name: str, mix: str, kind: str, reps: int) -> dict[str, Any]:
@@ -93,22 +85,13 @@ def compare(old: ModuleType, name: str, mix: str, kind: str, reps: int) -> dict[
         grads = dp.gradient_buffers() if kind == "buffers" else {n: np.empty(s, gradsets.dtype_of(mix, s)) for n, s in layout}
         sessions[tag] = (dp, grads)
     try:
-        for session in sessions.values():  # warm: first touch, the kept plans and programs
-            window(*session)
-            window(*session)
-        ratios, before, now = [], [], []
-        for r in range(reps):
-            order = ("revision", "checkout") if r % 2 == 0 else ("checkout", "revision")
-            t = {tag: window(*sessions[tag]) for tag in order}
-            ratios.append(t["checkout"] / t["revision"])
-            before.append(t["revision"])
-            now.append(t["checkout"])
+        res = pairs.alternate(sessions["revision"], sessions["checkout"], reps, warmup=2)
     finally:
         for dp, _ in sessions.values():
             dp.close()
     return {
-        "set": name, "mix": mix, "kind": kind, "ratio": statistics.median(ratios), "ratio_min": min(ratios),
-        "ratio_max": max(ratios), "revision_seconds": statistics.median(before), "checkout_seconds": statistics.median(now),
+        "set": name, "mix": mix, "kind": kind, "ratio": res["ratio"], "ratio_min": res["ratio_min"],
+        "ratio_max": res["ratio_max"], "revision_seconds": res["base_seconds"], "checkout_seconds": res["other_seconds"],
     }
 
 

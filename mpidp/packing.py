@@ -379,7 +379,8 @@ SCATTER_MIN = 1 << 15
 #: the division of (n-1)/n of the values, which must outweigh a second collective's latency (a
 #: 0.4 MiB call at 4 ranks took 1.39x the Allreduce's time reduce-scattered).
 SCATTER_MIN_FP32 = 1 << 18
-#: ``auto`` reduce-scatters float32 calls from this many ranks on (measured: slower at 2, faster at 3 and 4).
+#: ``auto`` reduce-scatters float32 calls from this many ranks on (measured: slower at 2; at 4, even
+#: on small pages and faster where huge pages came and went; it saves the division either way).
 SCATTER_MIN_RANKS_FP32 = 3
 
 
@@ -392,9 +393,9 @@ def reduce_scatter_for(length: int, dtype: Any, size: int, mode: str) -> bool:
     on :data:`SCATTER_MIN_RANKS_FP32` ranks or more. The owners divide (and
     cast) 1/n of the values instead of all of them after an Allreduce, and
     for 16-bit the Allgather moves 2-byte values. float32 saves only the
-    division: on shared memory its pair of collectives was 0.66-0.96x the
-    Allreduce's time at 3 and 4 ranks but 1.03-1.18x at 2, and slower for
-    short calls (docs/performance.md).
+    division: on shared memory its pair of collectives was 0.94-1.02x the
+    Allreduce's time at 4 ranks (small pages) but up to 1.18x at 2, and
+    slower for short calls (docs/performance.md).
     """
     if dtype is None or mode == "allreduce":
         return False

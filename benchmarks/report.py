@@ -68,6 +68,14 @@ def _mib(b: int | None) -> str:
     return "-" if b is None else f"{b / MIB:.1f}"
 
 
+def _pages(pages: dict[str, Any] | None) -> list[str]:
+    """The huge-page line of a result that recorded it: on a VM, whether NumPy got them moved timings up to 3x."""
+    if pages is None:  # results from before bench.py recorded it
+        return []
+    unset = "(unset: NumPy asks for them)"
+    return [f"transparent huge pages: {pages['transparent_hugepage']}; NUMPY_MADVISE_HUGEPAGE={pages['NUMPY_MADVISE_HUGEPAGE'] or unset}"]
+
+
 def table(result: dict[str, Any]) -> str:
     """The human-readable report of one result."""
     m = result["meta"]
@@ -77,12 +85,9 @@ def table(result: dict[str, Any]) -> str:
          f"{m['machine']['mpi']}; load average {la0:.2f} -> {la1:.2f}; {m['reps']} paired repetitions"),
         f"command: {m['command']}",
         f"16-bit casts: {m.get('casts', 'numpy')} (torch's kernels when the process has imported torch, else NumPy / ml_dtypes)",
+        *_pages(m["machine"].get("huge_pages")),
         "ratio = median over repetitions of (candidate / raw limit timed next to it)",
     ]
-    pages = m["machine"].get("huge_pages")
-    if pages is not None:  # NumPy's large arrays on huge pages or not: on a VM, single timings moved up to 3x
-        lines.insert(3, f"transparent huge pages: {pages['transparent_hugepage']}; "
-                        f"NUMPY_MADVISE_HUGEPAGE={pages['NUMPY_MADVISE_HUGEPAGE'] or '(unset: NumPy asks for them)'}")
     for name, s in result["sets"].items():
         ar, bc = s["limits"]["allreduce"], s["limits"]["bcast"]
         lines += [

@@ -122,8 +122,8 @@ def test_no_torch_run_stays_on_the_casts_it_names(tmp_path: Path) -> None:
         assert meta["machine"]["versions"]["torch"] == importlib.metadata.version("torch")
 
 
-def test_readme_shows_the_committed_results() -> None:
-    """docs/performance.md's tables are generated from the committed runs, one table per folder, never typed by hand.
+def test_notes_show_the_committed_results() -> None:
+    """benchmarks/results/NOTES.md's tables are generated from the committed runs, one table per folder, never typed by hand.
 
     ``benchmarks/results/runs`` holds the latest batch; ``runs-*`` folders keep
     earlier batches (another machine, an earlier version) next to it.
@@ -131,20 +131,34 @@ def test_readme_shows_the_committed_results() -> None:
     sys.path.insert(0, str(BENCH.parent))
     import report
 
-    folders = sorted(p for p in (ROOT / "benchmarks" / "results").glob("runs*") if p.is_dir())
+    results = ROOT / "benchmarks" / "results"
+    folders = sorted(p for p in results.glob("runs*") if p.is_dir())
     assert folders and folders[0].name == "runs", "no committed benchmark results"
-    readme = (ROOT / "docs" / "performance.md").read_text()
-    assert readme.count("<!-- bench-table:start") == len(folders), "one table in docs/performance.md per folder of runs"
+    notes = (results / "NOTES.md").read_text()
+    assert notes.count("<!-- bench-table:start") == len(folders), "one table in benchmarks/results/NOTES.md per folder of runs"
     for folder in folders:
-        results = sorted(folder.glob("*.json"))
-        assert results, f"no results in {folder}"
+        found = sorted(folder.glob("*.json"))
+        assert found, f"no results in {folder}"
         start, end = f"<!-- bench-table:start {folder.name} -->\n", "<!-- bench-table:end -->"
-        assert start in readme, start
-        shown = readme.split(start, 1)[1].split(end, 1)[0].strip()
-        assert shown == report.markdown(results).strip(), (
+        assert start in notes, start
+        shown = notes.split(start, 1)[1].split(end, 1)[0].strip()
+        assert shown == report.markdown(found).strip(), (
             f"regenerate with: python benchmarks/report.py benchmarks/results/{folder.name}/*.json"
         )
-    assert (ROOT / "benchmarks" / "results" / "bench.png").exists()
+    assert (results / "bench.png").exists()
+
+
+def test_committed_results_carry_no_nan_and_no_temporary_paths() -> None:
+    """What is committed under benchmarks/results reads as a result: no nan cells, no scratch folders of the run."""
+    bad = []
+    for path in sorted((ROOT / "benchmarks" / "results").rglob("*")):
+        if path.suffix not in (".json", ".txt", ".md"):
+            continue
+        text = path.read_text()
+        cell = r"[:,\[]\s*-?(NaN|Infinity)\b" if path.suffix == ".json" else r"\b(nan|inf)x?\b"
+        if re.search(cell, text) or "/tmp/" in text:
+            bad.append(path.relative_to(ROOT).as_posix())
+    assert not bad, bad
 
 
 def test_window_profile_runs_and_names_the_mpi_time() -> None:

@@ -20,8 +20,9 @@ The ``--chunks`` sweep times mpidp's reduce for every ``chunk_bytes`` from
 
 Writes ``<out>/bench-np<N>.json`` (``chunks-np<N>.json`` with ``--chunks``,
 ``quick-np<N>.json`` with ``--quick``) and redraws ``<out>/bench.png``
-(``quick.png``) from every such file in ``<out>``: one bar per rank count,
-and the sweep as lines. Extra memory during reduce is measured too (peak
+(``quick.png``) from every such file in ``<out>``: per set, five ways of
+summing float32 gradients against the raw Allreduce, one bar per rank count
+(``report.chart``; the sweep is in the JSON and the printed table). Extra memory during reduce is measured too (peak
 resident set and peak traced allocations above the state before the call).
 Nothing here gates on time: the targets are reported, not asserted.
 """

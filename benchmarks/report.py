@@ -183,70 +183,95 @@ def markdown(paths: Sequence[Path]) -> str:
     return "\n".join(lines)
 
 
-def chart(paths: Sequence[Path], png: Path) -> Path | None:
-    """Draw the ratio of every variant per set, one bar per rank count, from result files."""
+#: the chart's bars: variant -> plain label (float32 gradients; the raw Allreduce is the line at 1)
+CHART_BARS = {
+    "mpidp_fp32_buffers": "mpidp, gradient_buffers()",
+    "mpidp_fp32_arrays": "mpidp, your own arrays",
+    "horovod_fusion": "Horovod-style 4 MiB fusion",
+    "per_tensor": "one Allreduce per tensor",
+    "gloo_buckets": "torch.distributed gloo (DDP buckets)",
+}
+
+
+def chart(paths: Sequence[Path], png: Path, sets: Sequence[str] | None = None, ranks: Sequence[int] | None = None,
+          note: str = "") -> Path | None:
+    """A chart read at a glance: per gradient set, a few float32 reductions against the raw MPI Allreduce (= 1).
+
+    One panel per set, one horizontal bar per way of summing (:data:`CHART_BARS`)
+    and rank count, the median over the result files of its ratio to the raw
+    Allreduce limit timed next to it. ``sets`` and ``ranks`` choose what is
+    drawn (default: everything in the files); ``note`` is added to the title.
+    """
     results = [json.loads(Path(p).read_text()) for p in paths]
-    if not results:
+    results = [r for r in results if ranks is None or r["meta"]["world_size"] in ranks]
+    names: list[str] = []
+    for r in results:
+        names += [s for s in r["sets"] if s not in names and (sets is None or s in sets)]
+    if not names:
         return None
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    results.sort(key=lambda r: r["meta"]["world_size"])
-    sets: list[str] = []
-    for r in results:
-        sets += [s for s in r["sets"] if s not in sets]
-    with_chunks = [r for r in results if r.get("chunks")]
-    rows = len(sets) + bool(with_chunks)
-    if rows == 0:
-        return None
-    fig, axes = plt.subplots(rows, 1, figsize=(11, 3.6 * rows), squeeze=False)
-    width = 0.8 / len(results)
-    for ax, name in zip(axes[:, 0], sets):
-        keys: list[str] = []
-        labels: dict[str, str] = {}
-        for r in results:
-            for k, v in r["sets"].get(name, {}).get("variants", {}).items():
-                if k not in keys:
-                    keys.append(k)
-                    labels[k] = v["label"]
-        for i, r in enumerate(results):
-            variants = r["sets"].get(name, {}).get("variants", {})
-            xs = [j + (i - (len(results) - 1) / 2) * width for j, k in enumerate(keys) if k in variants]
-            ys = [variants[k]["ratio"] for k in keys if k in variants]
-            bars = ax.bar(xs, ys, width, label=f"{r['meta']['world_size']} ranks")
-            ax.bar_label(bars, fmt="%.2f", fontsize=7)
-        ax.axhline(1.0, color="k", lw=0.8)
-        ax.set_yscale("log")
-        ax.set_ylabel("time / raw limit")
-        desc = next(r["sets"][name]["description"] for r in results if name in r["sets"])
-        ax.set_title(f"{desc} ({name})", fontsize=10)
-        ax.set_xticks(range(len(keys)))
-        ax.set_xticklabels([labels[k] for k in keys], rotation=20, ha="right", fontsize=8)
-        ax.legend(fontsize=8)
-    if with_chunks:
-        ax = axes[-1, 0]
-        for r in with_chunks:
-            c, n = r["chunks"], r["meta"]["world_size"]
-            mib = [row["chunk_bytes"] / MIB for row in c["rows"]]
-            for key, style in (("raw_ratio", ":"), ("mpidp_fp32_ratio", "-"), ("mpidp_mixed_ratio", "--")):
-                ax.plot(mib, [row[key] for row in c["rows"]], style, marker="o", label=f"{key.removesuffix('_ratio')}, {n} ranks")
-        ax.axvline(with_chunks[0]["chunks"]["default_chunk_bytes"] / MIB, color="grey", lw=0.8)
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("chunk_bytes (MiB); grey line: DEFAULT_CHUNK_BYTES")
-        ax.set_ylabel("time / best raw limit")
-        ax.set_title(f"chunk size sweep ({with_chunks[0]['chunks']['set']})", fontsize=10)
-        ax.legend(fontsize=7, ncol=3)
+    sizes = sorted({r["meta"]["world_size"] for r in results})
+    fig, axes = plt.subplots(1, len(names), figsize=(5.2 * len(names), 1.2 + 0.45 * len(CHART_BARS) * len(sizes)),
+                             squeeze=False, sharey=True)
+    for ax, name in zip(axes[0], names):
+        _panel(ax, name, results, sizes)
+    axes[0, 0].set_yticks([i for i in range(len(CHART_BARS))], list(CHART_BARS.values()), fontsize=10)
+    axes[0, 0].invert_yaxis()
     m = results[0]["meta"]["machine"]
-    fig.suptitle(f"mpidp vs the raw MPI limit: {m['cpu']}, {m['cores']} cores, {' '.join(m['mpi'].split())}", fontsize=10)
+    ranks_text = " and ".join(str(n) for n in sizes) + " ranks"
+    fig.suptitle(f"Summing float32 gradients, {ranks_text}: time / raw MPI Allreduce of the same bytes (lower is faster)\n"
+                 f"{m['cpu']}, {m['cores']} cores, {' '.join(m['mpi'].split())}{'; ' + note if note else ''}", fontsize=10)
     fig.tight_layout()
-    fig.savefig(png, dpi=110)
+    fig.savefig(png, dpi=100)
     plt.close(fig)
     return png
 
 
-if __name__ == "__main__":  # python benchmarks/report.py benchmarks/results/runs/*.json: the README table
-    import sys
+def _panel(ax: Any, name: str, results: list[dict[str, Any]], sizes: list[int]) -> None:
+    """One set's bars: the median ratio of each way over the runs of each rank count, labelled with its value."""
+    height = 0.8 / len(sizes)
+    for i, n in enumerate(sizes):
+        runs = [r["sets"][name]["variants"] for r in results if r["meta"]["world_size"] == n and name in r["sets"]]
+        ys, xs = [], []
+        for j, key in enumerate(CHART_BARS):
+            got = [v[key]["ratio"] for v in runs if key in v]
+            if got:
+                ys.append(j + (i - (len(sizes) - 1) / 2) * height)
+                xs.append(statistics.median(got))
+        bars = ax.barh(ys, xs, height, label=f"{n} ranks")
+        ax.bar_label(bars, labels=[f"{x:.1f}x" for x in xs], padding=3, fontsize=9)
+    ax.axvline(1.0, color="k", lw=1)
+    ax.text(1.0, -0.7, " raw MPI limit", fontsize=8, va="bottom")
+    desc = next(r["sets"][name]["description"] for r in results if name in r["sets"])
+    ax.set_title(desc, fontsize=11)
+    ax.set_xlim(0, 1.25 * max((b.get_width() for b in ax.patches), default=1.0))
+    ax.set_xlabel("times the raw MPI Allreduce")
+    if len(sizes) > 1:
+        ax.legend(fontsize=8, loc="lower right")
 
-    print(markdown([Path(a) for a in sys.argv[1:]]))
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Print the Markdown table of result files, or (``--chart PNG``) draw the chart from them."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("results", nargs="+", type=Path, help="bench-np<N>.json files")
+    ap.add_argument("--chart", type=Path, default=None, help="draw the chart into this PNG instead of printing the table")
+    ap.add_argument("--sets", default=None, help="comma-separated sets to draw (default: all)")
+    ap.add_argument("--ranks", default=None, help="comma-separated rank counts to draw (default: all)")
+    ap.add_argument("--note", default="", help="added to the chart's title")
+    a = ap.parse_args(argv)
+    if a.chart is None:
+        print(markdown(a.results))
+        return 0
+    sets = a.sets.split(",") if a.sets else None
+    ranks = [int(n) for n in a.ranks.split(",")] if a.ranks else None
+    return 0 if chart(a.results, a.chart, sets, ranks, a.note) else 1
+
+
+if __name__ == "__main__":  # python benchmarks/report.py benchmarks/results/runs/*.json: the notes' table
+    raise SystemExit(main())

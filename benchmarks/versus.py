@@ -1,23 +1,28 @@
-"""Paired A/B of this checkout's reduce against an earlier revision's, in one process.
+"""Paired A/B of two mpidp sessions' reduce windows: two revisions, two reduction modes, or both.
 
-Every rank extracts the ``mpidp`` package of git revision ``--rev`` (with
-``git archive``) into a folder of its own and imports it under another
-name, beside the installed mpidp. For each gradient set, mix and kind
-(``gradient_buffers`` or caller arrays) both sessions are initialized on
-the same parameters, and their reduce windows alternate (which goes first
-alternates too); the ratio of each pair is taken (this checkout / the
-revision: below 1, this checkout is faster), so load changes on a shared
-machine cancel and both sessions' memory lives in the same process. It
-prints the median ratio with its range, and with ``--out`` writes them as JSON::
+Side A (the base) is mpidp at git revision ``--rev`` (extracted with ``git
+archive`` into a folder of each rank's own and imported under another name,
+beside the installed mpidp), or this checkout when ``--rev`` is not given.
+Side B is always this checkout. ``--base-reduction`` and ``--reduction`` set
+``MPIDP_REDUCTION`` for A and B (by default each side reads the
+environment, where unset means ``auto``). For each gradient set, mix
+and kind (``gradient_buffers`` or caller arrays) both sessions are
+initialized on the same parameters and their reduce windows alternate (which
+goes first alternates too); each pair gives one ratio, B / A (below 1: B is
+faster), so load changes on a shared machine cancel, and both sessions'
+memory lives in the same process. Prints the median ratio with its range;
+``--out`` writes the rows as JSON::
 
+    # this checkout against an earlier revision (both on the auto rule)
     mpiexec -n 2 python -m mpi4py benchmarks/versus.py --rev 5fe2b74 --sets tiny,resnet50
-    NUMPY_MADVISE_HUGEPAGE=0 mpiexec -n 4 python -m mpi4py benchmarks/versus.py --rev v0.1.0 --casts numpy
+    # the two host reductions of this checkout against each other
+    mpiexec -n 4 python -m mpi4py benchmarks/versus.py --base-reduction allreduce --reduction reduce_scatter --sets gpt2 --mixes fp32
 
 On a virtual machine, ``NUMPY_MADVISE_HUGEPAGE=0`` keeps every buffer on
 small pages: whether NumPy's large arrays get transparent huge pages varies
 from allocation to allocation there, and moved single timings up to 3x
-(docs/performance.md). The revision's package must import its own modules
-relatively (``from . import``), as mpidp always has.
+(benchmarks/results/NOTES.md). The revision's package must import its own
+modules relatively (``from . import``), as mpidp always has.
 """
 
 from __future__ import annotations
@@ -25,11 +30,14 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import os
 import re
+import statistics
 import subprocess
 import sys
 import tarfile
 import tempfile
+import time
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -40,7 +48,6 @@ from mpi4py import MPI
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import gradsets
-import pairs
 
 import mpidp
 from mpidp import packing
@@ -49,6 +56,9 @@ COMM = MPI.COMM_WORLD
 ROOT = Path(__file__).resolve().parent.parent
 #: an absolute import of mpidp inside the package would load this checkout's module instead of the revision's
 ABSOLUTE = re.compile(r"^\s*(from\s+mpidp[\s.]|import\s+mpidp\b)", re.MULTILINE)
+REDUCTIONS = ("auto", "allreduce", "reduce_scatter")
+#: a session under test: (its DataParallel, the gradients it reduces every window)
+Session = tuple[Any, dict[str, Any]]
 
 
 def extract(rev: str, into: Path) -> ModuleType:
@@ -75,35 +85,92 @@ def extract(rev: str, into: Path) -> ModuleType:
     return __import__(name)
 
 
-def compare(old: ModuleType, name: str, mix: str, kind: str, reps: int) -> dict[str, Any]:
-    """Median ratio (this checkout / the revision) of ``reps`` pairs of windows (collective)."""
-    _, layout = gradsets.shapes(name)
-    params = {n: np.zeros(s, gradsets.dtype_of(mix, s)) for n, s in layout}
-    sessions: dict[str, tuple[Any, dict[str, Any]]] = {}
-    for tag, module in (("revision", old), ("checkout", mpidp)):
-        dp = module.DataParallel.initialize(params, COMM)
-        grads = dp.gradient_buffers() if kind == "buffers" else {n: np.empty(s, gradsets.dtype_of(mix, s)) for n, s in layout}
-        sessions[tag] = (dp, grads)
-    try:
-        res = pairs.alternate(sessions["revision"], sessions["checkout"], reps, warmup=2)
-    finally:
-        for dp, _ in sessions.values():
-            dp.close()
+def window(dp: Any, grads: dict[str, Any]) -> float:
+    """One reduce window from the same values; the slowest rank's seconds (collective)."""
+    for g in grads.values():
+        g.fill(1.0 + COMM.rank / 8)
+    COMM.Barrier()
+    t0 = time.perf_counter()
+    dp.reduce(grads, 1 + (COMM.rank == 0))
+    return float(COMM.allreduce(time.perf_counter() - t0, op=MPI.MAX))
+
+
+def alternate(base: Session, other: Session, reps: int, warmup: int = 2) -> dict[str, Any]:
+    """``reps`` pairs of windows (collective): the median of other / base, its range, both median times."""
+    for _ in range(warmup):  # first touch, the kept plans and programs
+        window(*base)
+        window(*other)
+    ratios, before, now = [], [], []
+    for r in range(reps):
+        if r % 2 == 0:
+            b = window(*base)
+            o = window(*other)
+        else:
+            o = window(*other)
+            b = window(*base)
+        ratios.append(o / b)
+        before.append(b)
+        now.append(o)
     return {
-        "set": name, "mix": mix, "kind": kind, "ratio": res["ratio"], "ratio_min": res["ratio_min"],
-        "ratio_max": res["ratio_max"], "revision_seconds": res["base_seconds"], "checkout_seconds": res["other_seconds"],
+        "ratio": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
+        "base_seconds": statistics.median(before), "other_seconds": statistics.median(now),
     }
 
 
-def main(argv: list[str] | None = None) -> int:
+def session(module: ModuleType, reduction: str | None, params: dict[str, Any], kind: str) -> Session:
+    """One side's session and its gradients, under ``MPIDP_REDUCTION=reduction`` (None: the environment's)."""
+    before = os.environ.get("MPIDP_REDUCTION")
+    if reduction is not None:
+        os.environ["MPIDP_REDUCTION"] = reduction  # read by initialize, alike on every rank
+    try:
+        dp = module.DataParallel.initialize(params, COMM)
+    finally:
+        if before is None:
+            os.environ.pop("MPIDP_REDUCTION", None)
+        else:
+            os.environ["MPIDP_REDUCTION"] = before
+    grads = dp.gradient_buffers() if kind == "buffers" else {n: np.empty(a.shape, a.dtype) for n, a in params.items()}
+    return dp, grads
+
+
+def compare(base: ModuleType, a: argparse.Namespace, name: str, mix: str, kind: str) -> dict[str, Any]:
+    """Median ratio (B / A) of ``a.reps`` pairs of windows (collective)."""
+    _, layout = gradsets.shapes(name)
+    params = {n: np.zeros(s, gradsets.dtype_of(mix, s)) for n, s in layout}
+    sides = [session(base, a.base_reduction, params, kind), session(mpidp, a.reduction, params, kind)]
+    try:
+        res = alternate(sides[0], sides[1], a.reps)
+    finally:
+        for dp, _ in sides:
+            dp.close()
+    return {
+        "set": name, "mix": mix, "kind": kind, "ratio": res["ratio"], "ratio_min": res["ratio_min"],
+        "ratio_max": res["ratio_max"], "base_seconds": res["base_seconds"], "checkout_seconds": res["other_seconds"],
+    }
+
+
+def use_casts(casts: str) -> None:
+    """This checkout's 16-bit casts (the revision's own switches are left as they are)."""
+    if casts == "torch":
+        import torch
+
+        torch.set_num_threads(1)  # one core per rank, as for MPI
+    else:
+        packing.TORCH_CASTS = False
+        packing.NUMBA_CASTS = None if casts == "numba" else False
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--rev", required=True, help="the git revision to compare with (a commit, tag or branch)")
+    p.add_argument("--rev", default=None, help="side A: mpidp at this git revision (a commit, tag or branch); default: this checkout")
+    p.add_argument("--base-reduction", default=None, choices=REDUCTIONS, help="MPIDP_REDUCTION of side A (default: the environment's)")
+    p.add_argument("--reduction", default=None, choices=REDUCTIONS, help="MPIDP_REDUCTION of side B (default: the environment's)")
     p.add_argument("--sets", default="tiny,resnet50,gpt2", help="comma-separated gradient sets (default: tiny,resnet50,gpt2)")
     p.add_argument("--mixes", default="fp32,mixed", help="comma-separated mixes of fp32, mixed, fp16 (default fp32,mixed)")
     p.add_argument("--kinds", default="buffers,arrays", help="gradient_buffers (buffers) and/or caller arrays (arrays)")
     p.add_argument("--casts", default="torch", choices=("torch", "numba", "numpy"),
                    help="16-bit casts of this checkout: torch's (imports torch), mpidp.kernels' (numba) or NumPy's "
-                        "(the revision's own switches are left as they are)")
+                        "(a revision's own switches are left as they are)")
     p.add_argument("--reps", type=int, default=15, help="pairs of windows per row (default 15)")
     p.add_argument("--out", type=Path, default=None, help="write the rows as JSON to this file")
     a = p.parse_args(argv)
@@ -111,29 +178,33 @@ def main(argv: list[str] | None = None) -> int:
         bad = [x for x in value.split(",") if x not in allowed]
         if bad:
             p.error(f"{flag}: {', '.join(bad)} not among {', '.join(allowed)}")
-    if a.casts == "torch":
-        import torch
+    if a.rev is None and a.base_reduction == a.reduction:
+        p.error("nothing to compare: give --rev, or a --base-reduction other than --reduction")
+    return a
 
-        torch.set_num_threads(1)  # one core per rank, as for MPI
-    else:
-        packing.TORCH_CASTS = False
-        packing.NUMBA_CASTS = None if a.casts == "numba" else False
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse(argv)
+    use_casts(a.casts)
+    base_name = f"mpidp at {a.rev}" if a.rev else "this checkout"
+    title = f"this checkout{f' ({a.reduction})' if a.reduction else ''} / {base_name}{f' ({a.base_reduction})' if a.base_reduction else ''}"
     with tempfile.TemporaryDirectory(prefix="mpidp-versus-") as tmp:
-        old = extract(a.rev, Path(tmp))
+        base = extract(a.rev, Path(tmp)) if a.rev else mpidp
         rows = []
         if COMM.rank == 0:
-            print(f"this checkout / mpidp at {a.rev}, {COMM.size} ranks, {a.casts} casts, median of {a.reps} paired windows")
-            print(f"  {'set':9} {'mix':6} {'kind':8} {'ratio':>7} {'min-max':>11} {'revision ms':>12} {'checkout ms':>12}")
+            print(f"{title}, {COMM.size} ranks, {a.casts} casts, median of {a.reps} paired windows")
+            print(f"  {'set':9} {'mix':6} {'kind':8} {'ratio':>7} {'min-max':>11} {'A ms':>10} {'B ms':>10}")
         for name in a.sets.split(","):
             for mix in a.mixes.split(","):
                 for kind in a.kinds.split(","):
-                    row = compare(old, name, mix, kind, a.reps)
+                    row = compare(base, a, name, mix, kind)
                     rows.append(row)
                     if COMM.rank == 0:
                         print(f"  {name:9} {mix:6} {kind:8} {row['ratio']:6.3f}x {row['ratio_min']:5.2f}-{row['ratio_max']:<5.2f} "
-                              f"{row['revision_seconds'] * 1e3:12.3f} {row['checkout_seconds'] * 1e3:12.3f}", flush=True)
+                              f"{row['base_seconds'] * 1e3:10.3f} {row['checkout_seconds'] * 1e3:10.3f}", flush=True)
     if a.out is not None and COMM.rank == 0:
-        meta = {"rev": a.rev, "world_size": COMM.size, "casts": a.casts, "reps": a.reps, "command": " ".join(sys.argv)}
+        meta = {"rev": a.rev, "base_reduction": a.base_reduction, "reduction": a.reduction, "world_size": COMM.size,
+                "casts": a.casts, "reps": a.reps, "command": " ".join(["benchmarks/versus.py", *sys.argv[1:]])}
         a.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     return 0
 

@@ -52,7 +52,7 @@ class Communicator:
     Each collective wrapper below repeats the same enter / call / fail /
     leave shape on purpose: cProfile books mpi4py's (unprofiled C) call in
     the calling Python frame, so one wrapper per collective is what lets
-    ``benchmarks/window_profile.py`` name the collective ("comm.py(Allreduce)");
+    ``benchmarks/probes/window_profile.py`` name the collective ("comm.py(Allreduce)");
     one shared helper would book every collective under its own name.
     """
 

@@ -11,6 +11,7 @@ import importlib.metadata
 import importlib.util
 import json
 import math
+import re
 import shutil
 import subprocess
 import sys
@@ -121,8 +122,8 @@ def test_no_torch_run_stays_on_the_casts_it_names(tmp_path: Path) -> None:
         assert meta["machine"]["versions"]["torch"] == importlib.metadata.version("torch")
 
 
-def test_readme_shows_the_committed_results() -> None:
-    """docs/performance.md's tables are generated from the committed runs, one table per folder, never typed by hand.
+def test_notes_show_the_committed_results() -> None:
+    """benchmarks/results/NOTES.md's tables are generated from the committed runs, one table per folder, never typed by hand.
 
     ``benchmarks/results/runs`` holds the latest batch; ``runs-*`` folders keep
     earlier batches (another machine, an earlier version) next to it.
@@ -130,25 +131,39 @@ def test_readme_shows_the_committed_results() -> None:
     sys.path.insert(0, str(BENCH.parent))
     import report
 
-    folders = sorted(p for p in (ROOT / "benchmarks" / "results").glob("runs*") if p.is_dir())
+    results = ROOT / "benchmarks" / "results"
+    folders = sorted(p for p in results.glob("runs*") if p.is_dir())
     assert folders and folders[0].name == "runs", "no committed benchmark results"
-    readme = (ROOT / "docs" / "performance.md").read_text()
-    assert readme.count("<!-- bench-table:start") == len(folders), "one table in docs/performance.md per folder of runs"
+    notes = (results / "NOTES.md").read_text()
+    assert notes.count("<!-- bench-table:start") == len(folders), "one table in benchmarks/results/NOTES.md per folder of runs"
     for folder in folders:
-        results = sorted(folder.glob("*.json"))
-        assert results, f"no results in {folder}"
+        found = sorted(folder.glob("*.json"))
+        assert found, f"no results in {folder}"
         start, end = f"<!-- bench-table:start {folder.name} -->\n", "<!-- bench-table:end -->"
-        assert start in readme, start
-        shown = readme.split(start, 1)[1].split(end, 1)[0].strip()
-        assert shown == report.markdown(results).strip(), (
+        assert start in notes, start
+        shown = notes.split(start, 1)[1].split(end, 1)[0].strip()
+        assert shown == report.markdown(found).strip(), (
             f"regenerate with: python benchmarks/report.py benchmarks/results/{folder.name}/*.json"
         )
-    assert (ROOT / "benchmarks" / "results" / "bench.png").exists()
+    assert (results / "bench.png").exists()
+
+
+def test_committed_results_carry_no_nan_and_no_temporary_paths() -> None:
+    """What is committed under benchmarks/results reads as a result: no nan cells, no scratch folders of the run."""
+    bad = []
+    for path in sorted((ROOT / "benchmarks" / "results").rglob("*")):
+        if path.suffix not in (".json", ".txt", ".md"):
+            continue
+        text = path.read_text()
+        cell = r"[:,\[]\s*-?(NaN|Infinity)\b" if path.suffix == ".json" else r"\b(nan|inf)x?\b"
+        if re.search(cell, text) or "/tmp/" in text:
+            bad.append(path.relative_to(ROOT).as_posix())
+    assert not bad, bad
 
 
 def test_window_profile_runs_and_names_the_mpi_time() -> None:
-    """benchmarks/window_profile.py keeps working: a 2-rank run on the tiny set prints the ratio and the profile."""
-    script = ROOT / "benchmarks" / "window_profile.py"
+    """benchmarks/probes/window_profile.py keeps working: a 2-rank run on the tiny set prints the ratio and the profile."""
+    script = ROOT / "benchmarks" / "probes" / "window_profile.py"
     p = subprocess.run(
         [MPIEXEC, "-n", "2", sys.executable, "-m", "mpi4py", str(script), "--set", "tiny", "--reps", "1", "--windows", "2"],
         check=False, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=TIMEOUT, env=clean_env(), cwd=ROOT,
@@ -208,9 +223,9 @@ def test_casts_benchmark_times_every_way(tmp_path: Path) -> None:
 
 
 def test_inplace_benchmark_times_both_ways() -> None:
-    """benchmarks/inplace.py: in-place and out-of-place sums, both timed, and their ratio printed."""
+    """benchmarks/probes/inplace.py: in-place and out-of-place sums, both timed, and their ratio printed."""
     run = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "inplace.py"), "--mib", "0.5", "--chunk-mib", "0.125", "--reps", "2"],
+        [sys.executable, str(ROOT / "benchmarks" / "probes" / "inplace.py"), "--mib", "0.5", "--chunk-mib", "0.125", "--reps", "2"],
         check=False, capture_output=True, text=True, timeout=TIMEOUT, env=clean_env(),
     )
     assert run.returncode == 0, run.stderr
@@ -221,25 +236,55 @@ def test_inplace_benchmark_times_both_ways() -> None:
     assert lines[3].strip().startswith("out of place / in place: "), run.stdout
 
 
-@pytest.mark.skipif(not (ROOT / ".git").exists() or shutil.which("git") is None, reason="needs a git checkout")
-def test_versus_compares_with_a_revision_in_one_process(tmp_path: Path) -> None:
+VERSUS = ROOT / "benchmarks" / "versus.py"
+
+
+def _versus(tmp_path: Path, *args: str, ranks: int = 2) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
     out = tmp_path / "versus.json"
     p = subprocess.run(
-        [MPIEXEC, "-n", "2", sys.executable, "-m", "mpi4py", str(ROOT / "benchmarks" / "versus.py"), "--rev", "HEAD",
-         "--sets", "tiny", "--reps", "2", "--casts", "numpy", "--out", str(out)],
+        [MPIEXEC, "-n", str(ranks), sys.executable, "-m", "mpi4py", str(VERSUS), *args, "--out", str(out)],
         check=False, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=TIMEOUT, env=clean_env(), cwd=ROOT,
     )
     assert p.returncode == 0, p.stdout
     result = json.loads(out.read_text())
-    assert result["meta"]["rev"] == "HEAD" and result["meta"]["world_size"] == 2
-    rows = result["rows"]
-    assert {(r["mix"], r["kind"]) for r in rows} == {(m, k) for m in ("fp32", "mixed") for k in ("buffers", "arrays")}
-    for r in rows:
-        assert positive(r["ratio"]) and r["ratio_min"] <= r["ratio"] <= r["ratio_max"]
-        assert positive(r["revision_seconds"]) and positive(r["checkout_seconds"])
+    assert result["meta"]["world_size"] == ranks
+    for r in result["rows"]:
+        assert positive(r["ratio"]) and r["ratio_min"] <= r["ratio"] <= r["ratio_max"], r
+        assert positive(r["base_seconds"]) and positive(r["checkout_seconds"]), r
+    return p, result
+
+
+@pytest.mark.skipif(not (ROOT / ".git").exists() or shutil.which("git") is None, reason="needs a git checkout")
+def test_versus_compares_with_a_revision_in_one_process(tmp_path: Path) -> None:
+    p, result = _versus(tmp_path, "--rev", "HEAD", "--sets", "tiny", "--reps", "2", "--casts", "numpy")
+    assert result["meta"]["rev"] == "HEAD" and result["meta"]["reduction"] is None
+    assert {(r["mix"], r["kind"]) for r in result["rows"]} == {(m, k) for m in ("fp32", "mixed") for k in ("buffers", "arrays")}
     assert "this checkout / mpidp at HEAD" in p.stdout
     bad = subprocess.run(
-        [MPIEXEC, "-n", "1", sys.executable, "-m", "mpi4py", str(ROOT / "benchmarks" / "versus.py"), "--rev", "no-such-revision"],
+        [MPIEXEC, "-n", "1", sys.executable, "-m", "mpi4py", str(VERSUS), "--rev", "no-such-revision"],
         check=False, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=TIMEOUT, env=clean_env(), cwd=ROOT,
     )
     assert bad.returncode != 0 and "cannot read mpidp at 'no-such-revision'" in bad.stdout
+
+
+def test_versus_compares_two_reductions_of_this_checkout(tmp_path: Path) -> None:
+    """What reduction_ab.py did: the same checkout, one side forced to each host reduction."""
+    p, result = _versus(tmp_path, "--base-reduction", "allreduce", "--reduction", "reduce_scatter", "--sets", "tiny",
+                        "--mixes", "fp16", "--kinds", "buffers", "--reps", "2", "--casts", "numpy")
+    assert (result["meta"]["rev"], result["meta"]["base_reduction"], result["meta"]["reduction"]) == (None, "allreduce", "reduce_scatter")
+    assert [(r["set"], r["mix"], r["kind"]) for r in result["rows"]] == [("tiny", "fp16", "buffers")]
+    assert "this checkout (reduce_scatter) / this checkout (allreduce)" in p.stdout
+    same = subprocess.run(
+        [MPIEXEC, "-n", "1", sys.executable, "-m", "mpi4py", str(VERSUS), "--reduction", "auto", "--base-reduction", "auto"],
+        check=False, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=TIMEOUT, env=clean_env(), cwd=ROOT,
+    )
+    assert same.returncode != 0 and "nothing to compare" in same.stdout
+
+
+def test_benchmarks_readme_lists_every_script() -> None:
+    """benchmarks/README.md names every script, and every script or file it names exists."""
+    text = (ROOT / "benchmarks" / "README.md").read_text()
+    scripts = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "benchmarks").rglob("*.py"))
+    assert scripts and not [s for s in scripts if s not in text], "scripts missing from benchmarks/README.md"
+    named = set(re.findall(r"(?<![\w/.-])(benchmarks/[\w./-]*\w)", text))
+    assert not [n for n in named if not (ROOT / n).exists()], "benchmarks/README.md names paths that do not exist"

@@ -77,7 +77,7 @@ def test_quick_run_times_every_variant_in_parts(tmp_path: Path) -> None:
 def test_the_overlap_timeline_probe_shows_the_threads_calls_and_the_agreement() -> None:
     try:
         p = subprocess.run(
-            [MPIEXEC, "-n", "2", sys.executable, "-m", "mpi4py", str(ROOT / "benchmarks" / "overlap_timeline.py"),
+            [MPIEXEC, "-n", "2", sys.executable, "-m", "mpi4py", str(ROOT / "benchmarks" / "probes" / "overlap_timeline.py"),
              "--model", "offcpu-gpt2-tiny", "--steps", "2", "--show", "1"],
             check=False, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=TIMEOUT, env=clean_env(), cwd=ROOT,
         )

@@ -2,9 +2,9 @@
 
 Run it under MPI (every rank runs the same command)::
 
-    mpiexec -n 2 python -m mpi4py benchmarks/window_profile.py --set resnet50 --mix fp32
-    mpiexec -n 2 python -m mpi4py benchmarks/window_profile.py --set gpt2 --mix mixed --windows 5
-    mpiexec -n 2 python -m mpi4py benchmarks/window_profile.py --set tiny --arrays --torch
+    mpiexec -n 2 python -m mpi4py benchmarks/probes/window_profile.py --set resnet50 --mix fp32
+    mpiexec -n 2 python -m mpi4py benchmarks/probes/window_profile.py --set gpt2 --mix mixed --windows 5
+    mpiexec -n 2 python -m mpi4py benchmarks/probes/window_profile.py --set tiny --arrays --torch
 
 It times the raw chunked Allreduce limit (``--limit-chunk`` MiB) and mpidp's
 reduce in alternating pairs, as ``bench.py`` does, prints the ratio, then
@@ -27,8 +27,8 @@ from pathlib import Path
 
 from mpi4py import MPI
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks/
+sys.path.insert(1, str(Path(__file__).resolve().parents[2]))  # the checkout
 
 import bench
 import gradsets

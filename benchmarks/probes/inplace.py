@@ -2,8 +2,8 @@
 
 Run it under MPI (every rank runs the same command)::
 
-    mpiexec -n 2 python -m mpi4py benchmarks/inplace.py            # 77 MB, GPT-2 29.7 M's tied embedding
-    mpiexec -n 4 python -m mpi4py benchmarks/inplace.py --mib 16 --reps 5
+    mpiexec -n 2 python -m mpi4py benchmarks/probes/inplace.py            # 77 MB, GPT-2 29.7 M's tied embedding
+    mpiexec -n 4 python -m mpi4py benchmarks/probes/inplace.py --mib 16 --reps 5
 
 Sums ``--mib`` MiB of float32 in calls of ``--chunk-mib`` MiB, each call
 followed by its division by the global weight (as :mod:`mpidp.overlap`'s

@@ -2,8 +2,8 @@
 
 Run it under MPI (every rank runs the same command)::
 
-    mpiexec -n 2 python -m mpi4py benchmarks/overlap_timeline.py --model offcpu-resnet-3m
-    mpiexec -n 2 python -m mpi4py benchmarks/overlap_timeline.py --model offcpu-gpt2-5m --no-weight
+    mpiexec -n 2 python -m mpi4py benchmarks/probes/overlap_timeline.py --model offcpu-resnet-3m
+    mpiexec -n 2 python -m mpi4py benchmarks/probes/overlap_timeline.py --model offcpu-gpt2-5m --no-weight
 
 It trains one of ``train_step.py``'s models with ``overlap="thread"`` (and,
 unless ``--no-weight``, ``dp.expect_weight`` before backward) for
@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from mpi4py import MPI
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks/
 
 import train_step as ts
 

@@ -386,23 +386,15 @@ class DataParallel:
         seen: set[int] = set()
         for name, g in grads.items():
             group = self._slots.of.get(name)
-            info = arrays.describe(g)
-            if group is None:
-                why = f"gradient for {'frozen' if name in self._slots.frozen else 'unknown'} parameter {name!r}"
-            elif group.number in seen:
-                why = f"two gradients for one tied array in one fold: {name!r} and another name of {group.name!r}"
-            elif info is None or (info.shape, info.dtype, info.device) != (group.info.shape, group.info.dtype, group.info.device):
-                why = f"gradient {name!r} ({info}) does not match its parameter ({group.info})"
-            else:
-                why = None
+            why = _fold_problem(name, g, group, seen, self._slots.frozen)
+            if why is None and group is not None:
+                seen.add(group.number)
+                try:
+                    acc.fold(group.number, arrays.view(g))
+                except Exception as e:  # noqa: BLE001 - this rank's error at the next reduce, on every rank
+                    why = f"could not read gradient {name!r}: {type(e).__name__}: {e}"
             if why is not None:
                 acc.error = acc.error or f"fold: {why}"
-                return
-            seen.add(group.number)
-            try:
-                acc.fold(group.number, arrays.view(g))
-            except Exception as e:  # noqa: BLE001 - this rank's error at the next reduce, on every rank
-                acc.error = acc.error or f"fold: could not read gradient {name!r}: {type(e).__name__}: {e}"
                 return
 
     def _measure(self, given: Sequence[Given | None]) -> list[bool]:
@@ -889,6 +881,18 @@ def _changes(was: arrays.ArrayInfo | None, now: arrays.ArrayInfo | None) -> str:
         return f"{now} was {was}"
     fields = ("backend", "dtype", "shape", "device")
     return ", ".join(f"{f} {getattr(now, f)} was {getattr(was, f)}" for f in fields if getattr(now, f) != getattr(was, f))
+
+
+def _fold_problem(name: str, g: Any, group: Any, seen: set[int], frozen: frozenset[str]) -> str | None:
+    """Why ``g`` cannot be folded as the gradient of ``name`` (its reduction slot ``group``), or None (local)."""
+    if group is None:
+        return f"gradient for {'frozen' if name in frozen else 'unknown'} parameter {name!r}"
+    if group.number in seen:
+        return f"two gradients for one tied array in one fold: {name!r} and another name of {group.name!r}"
+    info = arrays.describe(g)
+    if info is None or (info.shape, info.dtype, info.device) != (group.info.shape, group.info.dtype, group.info.device):
+        return f"gradient {name!r} ({info}) does not match its parameter ({group.info})"
+    return None
 
 
 def _check_step(step: Any, error: str | None) -> tuple[int, str | None]:

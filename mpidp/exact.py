@@ -26,6 +26,7 @@ no order either), and win over the finite sum, as in a float32 sum.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import Any
 
@@ -34,7 +35,7 @@ import numpy as np
 __all__ = ["BITS", "LIMIT", "Accumulator", "Facts", "decode", "encode", "shard"]
 
 #: each fold keeps its values to 2**-BITS of the power of two above its largest magnitude
-BITS = 40
+BITS = 36
 #: the bits an agreed slot may span: largest exponent - finest quantum + bits of the number of folds
 LIMIT = 62
 
@@ -106,7 +107,7 @@ def _exponent(x: np.ndarray) -> tuple[int | None, bool]:
     if x.size == 0:
         return None, False
     m = float(np.max(np.abs(x)))
-    if m != m or m == float("inf"):
+    if not np.isfinite(m):
         finite = np.isfinite(x)
         m = float(np.max(np.abs(x[finite]))) if finite.any() else 0.0
         special = True
@@ -137,7 +138,7 @@ class Accumulator:
     def __init__(self, sizes: Sequence[int]) -> None:
         self.sizes = tuple(int(n) for n in sizes)
         bounds = np.cumsum((0, *self.sizes)).tolist()
-        self.bounds = list(zip(bounds, bounds[1:]))
+        self.bounds = list(itertools.pairwise(bounds))
         self.total = bounds[-1]
         self.sums: np.ndarray | None = None  # int64, allocated on the first fold
         #: the first error of a fold, this rank's error at the next reduce

@@ -427,16 +427,23 @@ class DataParallel:
         """Sum the window's integers over the ranks and convert them once (collective; after the agreement)."""
         acc, facts = self._exact, agreed.exact
         assert acc is not None and facts is not None
-        buf = acc.buffer()
+        comm = self._comm
+        out: dict[str, Any] = {}
+        targets: list[Any] = [None] * len(self._slots)
+        for i, here in enumerate(agreed.present(len(self._slots))):
+            if here:
+                x, group = agreed.given[i], self._slots.groups[i]
+                g = arrays.zeros_like(group.param) if x is None else x.array
+                targets[i] = arrays.view(g) if x is None else x.view
+                out[group.name if x is None else x.name] = g
         try:
-            if agreed.weight == 0:  # its gradients count as zeros
-                buf[...] = 0
-            else:
-                acc.finish(facts)
-            chunk = max(1, self._chunk_bytes // 8)
-            for lo in range(0, buf.size, chunk):
-                self._comm.Allreduce(buf[lo : lo + chunk], f"{operation}: Allreduce (int64)")
-            out = self._exact_results(agreed, operation)
+            exact.reduce(
+                acc, facts, targets, agreed.weight > 0, agreed.global_weight, self._chunk_bytes // 8, comm.rank, comm.size,
+                lambda send, recv: comm.Reduce_scatter_block(send, recv, f"{operation}: Reduce_scatter_block (int64)"),
+                lambda b: comm.Allgather_in_place(b, f"{operation}: Allgather"),
+            )
+            if any(f.special for f in facts):
+                self._exact_specials(agreed, targets, operation)
         except CollectiveError as e:
             self._failed = str(e)
             raise
@@ -444,26 +451,20 @@ class DataParallel:
             acc.clear()
         return out
 
-    def _exact_results(self, agreed: Agreed, operation: str) -> dict[str, Any]:
-        """Write every globally present slot's exact result into this rank's gradient, or a new one (collective: specials)."""
+    def _exact_specials(self, agreed: Agreed, targets: Sequence[Any], operation: str) -> None:
+        """inf and NaN: summed apart in float32 (no order either), they win over the finite sums as in a float sum (collective)."""
         acc, facts = self._exact, agreed.exact
         assert acc is not None and facts is not None
-        out: dict[str, Any] = {}
-        for i, here in enumerate(agreed.present(len(self._slots))):
-            if not here:
+        acc.take_specials()
+        for i, f in enumerate(facts):
+            if not f.special:
                 continue
-            x, group = agreed.given[i], self._slots.groups[i]
-            g = arrays.zeros_like(group.param) if x is None else x.array
-            view = arrays.view(g) if x is None else x.view
-            exact.result(acc.slot(i), facts[i].quantum, agreed.global_weight, view)
-            if facts[i].special:  # inf and NaN: summed apart in float32 (no order either), they win as in a float sum
-                kept = acc.special.get(i) if agreed.weight else None
-                kept = np.zeros(group.info.size, np.float32) if kept is None else kept
-                self._comm.Allreduce(kept, f"{operation}: Allreduce (not finite)")
-                kept = kept.reshape(view.shape)
-                np.copyto(view, kept, where=kept != 0)
-            out[group.name if x is None else x.name] = g
-        return out
+            kept = acc.special.get(i) if agreed.weight else None
+            kept = np.zeros(acc.sizes[i], np.float32) if kept is None else kept
+            self._comm.Allreduce(kept, f"{operation}: Allreduce (not finite)")
+            if targets[i] is not None:
+                kept = kept.reshape(targets[i].shape)
+                np.copyto(targets[i], kept, where=kept != 0)
 
     def _check_window(self, grads: Any, given: list[Given | None]) -> str | None:
         """This rank's replica and gradients, checked (local): the error, or None with ``given`` filled."""

@@ -26,13 +26,14 @@ no order either), and win over the finite sum, as in a float32 sum.
 
 from __future__ import annotations
 
+import bisect
 import itertools
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 
-__all__ = ["BITS", "LIMIT", "Accumulator", "Facts", "decode", "encode", "shard"]
+__all__ = ["BITS", "LIMIT", "Accumulator", "Facts", "decode", "encode", "reduce", "shard"]
 
 #: each fold keeps its values to 2**-BITS of the power of two above its largest magnitude
 BITS = 36
@@ -102,51 +103,39 @@ def _span(top: int, quantum: int, count: int) -> int:
     return top - quantum + int(count).bit_length()
 
 
-def _exponent(x: np.ndarray) -> tuple[int | None, bool]:
-    """The exponent ``e`` with every finite magnitude below ``2**e`` (None: all zero), and whether some value is not finite."""
-    if x.size == 0:
-        return None, False
-    m = float(np.max(np.abs(x)))
-    if not np.isfinite(m):
-        finite = np.isfinite(x)
-        m = float(np.max(np.abs(x[finite]))) if finite.any() else 0.0
-        special = True
-    else:
-        special = False
-    if m == 0.0:
-        return None, special
-    return int(np.frexp(np.float32(m))[1]), special
+class Stage(NamedTuple):
+    """The chunk buffers of an exact window: the int64 send chunk, this rank's summed share, the float32 results."""
 
-
-def _integers(x: np.ndarray, e: int) -> np.ndarray:
-    """``x`` rounded to multiples of ``2**(e - BITS)``, as int64 counts of that quantum (ties to even)."""
-    scaled = np.ldexp(x, BITS - e)  # exact: a power of two, every magnitude stays below 2**BITS
-    np.rint(scaled, out=scaled)
-    return scaled.astype(np.int64)
+    send: np.ndarray
+    shard: np.ndarray
+    floats: np.ndarray
 
 
 class Accumulator:
-    """This rank's integer sums of one window, per reduction slot (local).
+    """This rank's integer sums of one window, per reduction slot (local, but for :meth:`reduce`).
 
     ``fold`` adds one micro-batch's gradient of a slot; ``measure`` takes
     the last one's facts without adding it (what the window's record needs
     before the agreement, so that a refused window leaves nothing added);
-    ``finish`` shifts every slot to its agreed quantum and adds what was
-    measured; ``result`` converts an agreed sum back.
+    ``reduce`` packs what was folded and measured chunk by chunk at the
+    agreed quanta, sums over the ranks and converts back.
     """
 
     def __init__(self, sizes: Sequence[int]) -> None:
         self.sizes = tuple(int(n) for n in sizes)
         bounds = np.cumsum((0, *self.sizes)).tolist()
+        self.starts = bounds[:-1]
         self.bounds = list(itertools.pairwise(bounds))
         self.total = bounds[-1]
         self.sums: np.ndarray | None = None  # int64, allocated on the first fold
+        self.dirty = False
+        self._stage: Stage | None = None
         #: the first error of a fold, this rank's error at the next reduce
         self.error: str | None = None
         self.clear()
 
     def clear(self) -> None:
-        """Forget the window's folds (after a reduce that went ahead)."""
+        """Forget the window's folds (after a reduce, and after a refused window)."""
         n = len(self.sizes)
         self.quantum: list[int | None] = [None] * n
         self.top = [-_BIAS] * n
@@ -154,10 +143,12 @@ class Accumulator:
         self.folded = [False] * n
         self.overflow = [False] * n
         self.special: dict[int, np.ndarray] = {}
-        self.pending: dict[int, tuple[np.ndarray, int | None, bool]] = {}
+        #: per slot measured for reduce: (float32 values, inf and NaN zeroed; exponent or None; the inf and NaN, or None)
+        self.pending: dict[int, tuple[np.ndarray, int | None, np.ndarray | None]] = {}
         self.error = None
-        if self.sums is not None:
+        if self.sums is not None and self.dirty:
             self.sums[...] = 0
+        self.dirty = False  # some fold wrote into the sums since they were zeroed
 
     def buffer(self) -> np.ndarray:
         """Every slot's integer sums, one int64 buffer in slot order (allocated on first use)."""
@@ -172,36 +163,35 @@ class Accumulator:
 
     def fold(self, i: int, values: Any) -> None:
         """Add one micro-batch's gradient of slot ``i`` (a host array of any floating dtype; not modified)."""
-        x = _float32(values)
-        e, special = _exponent(x)
+        x, e, bad = _measured(values)
         self.folded[i] = True
-        if special:
-            x = self._keep_special(i, x)
+        if bad is not None:
+            self._keep(i, bad)
         if e is None or self.overflow[i]:
             return
-        q = e - BITS
         now = self.quantum[i]
-        target = q if now is None else min(now, q)
+        target = e - BITS if now is None else min(now, e - BITS)
         if _span(max(self.top[i], e), target, self.count[i] + 1) > LIMIT:
             self.overflow[i] = True
             return
-        self._add(i, x, e, target)
+        s = self.slot(i)
+        kernels().pack(x, 2.0 ** (BITS - e), e - BITS - target, _EMPTY if now is None else s, 0 if now is None else now - target, s)
+        self.dirty = True
+        self.quantum[i] = target
         self.top[i] = max(self.top[i], e)
         self.count[i] += 1
 
     def measure(self, i: int, values: Any) -> None:
-        """Take the facts of slot ``i``'s last micro-batch, to be added by :meth:`finish` (nothing added yet)."""
-        x = _float32(values)
-        e, special = _exponent(x)
-        self.pending[i] = (x, e, special)
+        """Take the facts of slot ``i``'s last micro-batch, to be added by :meth:`reduce` (nothing added yet)."""
+        self.pending[i] = _measured(values)
 
     def word(self, i: int) -> int:
         """Slot ``i``'s word of the window record: its folds and what was measured."""
         q, top, count, overflow = self.quantum[i], self.top[i], self.count[i], self.overflow[i]
         special = i in self.special
         if i in self.pending:
-            _, e, special_last = self.pending[i]
-            special |= special_last
+            _, e, bad = self.pending[i]
+            special |= bad is not None
             if e is not None:
                 q = e - BITS if q is None else min(q, e - BITS)
                 top, count = max(top, e), count + 1
@@ -211,57 +201,171 @@ class Accumulator:
         """Whether slot ``i`` was folded or measured in this window."""
         return self.folded[i] or i in self.pending
 
-    def finish(self, facts: Sequence[Facts]) -> None:
-        """Shift every slot to its agreed quantum and add what was measured (local; after the agreement)."""
-        for i, f in enumerate(facts):
-            last = self.pending.get(i)
-            if last is not None and last[2]:
-                self._keep_special(i, last[0])
-            if f.quantum is None:
-                continue
-            now = self.quantum[i]
-            if now is not None and now > f.quantum:
-                s = self.slot(i)
-                np.left_shift(s, now - f.quantum, out=s)
-            self.quantum[i] = f.quantum
-            if last is not None and last[1] is not None:
-                x = last[0] if not last[2] else np.where(np.isfinite(last[0]), last[0], np.float32(0))
-                self._add(i, x, last[1], f.quantum)
-        self.pending = {}
+    def take_specials(self) -> None:
+        """Add the inf and NaN of what was measured to the slots' float32 specials (after the agreement)."""
+        for i, (_, _, bad) in self.pending.items():
+            if bad is not None:
+                self._keep(i, bad)
 
-    def _add(self, i: int, x: np.ndarray, e: int, target: int) -> None:
-        s = self.slot(i)
-        now = self.quantum[i]
-        if now is not None and now > target:
-            np.left_shift(s, now - target, out=s)
-        ints = _integers(x.reshape(-1), e)
-        shift = e - BITS - target
-        if shift:
-            np.left_shift(ints, shift, out=ints)
-        s += ints
-        self.quantum[i] = target
-
-    def _keep_special(self, i: int, x: np.ndarray) -> np.ndarray:
-        """Add the values of ``x`` that are not finite to slot ``i``'s float32 specials; ``x`` with them zeroed."""
-        bad = ~np.isfinite(x.reshape(-1))
+    def _keep(self, i: int, bad: np.ndarray) -> None:
         kept = self.special.get(i)
         if kept is None:
             kept = self.special[i] = np.zeros(self.sizes[i], np.float32)
-        kept[bad] += x.reshape(-1)[bad]
-        return np.where(bad, np.float32(0), x.reshape(-1))
+        with np.errstate(invalid="ignore"):  # inf + -inf is NaN, as in a float32 sum
+            kept += bad
+
+    def stage(self, chunk: int, size: int) -> Stage:
+        """The chunk buffers, made on first use: ``chunk`` int64 values, a multiple of ``size``."""
+        if self._stage is None or self._stage.send.size != chunk:
+            self._stage = Stage(np.empty(chunk, np.int64), np.empty(chunk // size, np.int64), np.empty(chunk, np.float32))
+        return self._stage
+
+    def pack(self, lo: int, hi: int, facts: Sequence[Facts], out: np.ndarray) -> None:
+        """Slot space ``[lo, hi)`` at the agreed quanta, as int64 into ``out``: the folds shifted, plus what was measured."""
+        k = kernels()
+        for i, a, b in self.pieces(lo, hi):
+            q, o = facts[i].quantum, out[a - lo : b - lo]
+            if q is None:
+                o[...] = 0
+                continue
+            base = self.starts[i]
+            now = self.quantum[i]
+            acc = _EMPTY if now is None else self.buffer()[a:b]
+            x, e, _ = self.pending.get(i, (_EMPTY32, None, None))
+            if e is None:
+                x = _EMPTY32
+            else:
+                x = x[a - base : b - base]
+            k.pack(x, 2.0 ** (BITS - (e or 0)), (e or 0) - BITS - q, acc, 0 if now is None else now - q, o)
+
+    def unpack(self, lo: int, hi: int, facts: Sequence[Facts], ints: np.ndarray, global_weight: int, out: np.ndarray) -> None:
+        """Convert summed ints of slot space ``[lo, hi)`` to float32 ``ints * 2**quantum / global_weight`` into ``out``."""
+        k = kernels()
+        for i, a, b in self.pieces(lo, hi):
+            q, o = facts[i].quantum, out[a - lo : b - lo]
+            if q is None:
+                o[...] = 0
+            else:
+                k.unpack(ints[a - lo : b - lo], 2.0**q, float(global_weight), o)
+
+    def pieces(self, lo: int, hi: int) -> Iterator[tuple[int, int, int]]:
+        """The slots that overlap slot space ``[lo, hi)``: (slot, start, end) of each overlap."""
+        i = bisect.bisect_right(self.starts, lo) - 1
+        while i < len(self.sizes) and self.starts[i] < hi:
+            a, b = max(lo, self.bounds[i][0]), min(hi, self.bounds[i][1])
+            if a < b:
+                yield i, a, b
+            i += 1
 
 
-def _float32(values: Any) -> np.ndarray:
-    """A float32 view or copy of a host array (16-bit values upcast, exactly)."""
+def reduce(
+    acc: Accumulator, facts: Sequence[Facts], targets: Sequence[Any], weighted: bool, global_weight: int,
+    chunk: int, rank: int, size: int, scatter: Callable[[np.ndarray, np.ndarray], None], gather: Callable[[np.ndarray], None],
+) -> None:
+    """Sum the window's integers over the ranks and write each target's exact result (collective, after the agreement).
+
+    Chunk by chunk of ``chunk`` int64 values: pack at the agreed quanta
+    (zeros where this rank has no weight), ``scatter`` (a Reduce_scatter_block:
+    this rank's share summed), convert this rank's share to float32,
+    ``gather`` (an Allgather in place), write into ``targets`` (a host array
+    per globally present slot, else None). Every rank calls the same
+    collectives: ``chunk`` and the slots are agreed facts.
+    """
+    c = max(size, chunk // size * size)
+    stage = acc.stage(c, size)
+    later: dict[int, np.ndarray] = {}
+    for lo in range(0, acc.total, c):
+        hi = min(lo + c, acc.total)
+        width = -(-(hi - lo) // size) * size
+        send, part = stage.send[:width], width // size
+        if weighted:
+            acc.pack(lo, hi, facts, send[: hi - lo])
+            send[hi - lo :] = 0
+        else:
+            send[...] = 0
+        ints = send
+        if size > 1:
+            scatter(send, stage.shard[:part])
+            ints = stage.shard[:part]
+        mine_lo, mine_hi = min(hi, lo + rank * part), min(hi, lo + (rank + 1) * part)
+        floats = stage.floats[:width]
+        acc.unpack(mine_lo, mine_hi, facts, ints[: mine_hi - mine_lo], global_weight, floats[mine_lo - lo : mine_hi - lo])
+        if size > 1:
+            gather(floats)
+        _write(acc, lo, hi, floats, targets, later)
+    for i, values in later.items():
+        t = targets[i]
+        t[...] = values.reshape(t.shape)
+
+
+def _write(acc: Accumulator, lo: int, hi: int, floats: np.ndarray, targets: Sequence[Any], later: dict[int, np.ndarray]) -> None:
+    """Copy the results of slot space ``[lo, hi)`` into the targets (whole-slot copies for targets not flat float32)."""
+    for i, a, b in acc.pieces(lo, hi):
+        t = targets[i]
+        if t is None:
+            continue
+        base = acc.starts[i]
+        if t.dtype == np.float32 and t.flags.c_contiguous:
+            t.reshape(-1)[a - base : b - base] = floats[a - lo : b - lo]
+        else:
+            later.setdefault(i, np.empty(acc.sizes[i], np.float32))[a - base : b - base] = floats[a - lo : b - lo]
+
+
+_EMPTY = np.zeros(0, np.int64)
+_EMPTY32 = np.zeros(0, np.float32)
+
+
+def _measured(values: Any) -> tuple[np.ndarray, int | None, np.ndarray | None]:
+    """A contiguous float32 view or copy of a host array (16-bit upcast exactly), inf and NaN zeroed; its exponent; the inf and NaN."""
     x = np.asarray(values)
-    return x if x.dtype == np.float32 else x.astype(np.float32)
+    if x.dtype != np.float32 or not x.flags.c_contiguous:
+        x = np.ascontiguousarray(x, dtype=np.float32)
+    x = x.reshape(-1)
+    top, bad = kernels().maxabs(x.view(np.uint32))
+    e = None if top == 0 else int(np.frexp(np.uint32(top).view(np.float32))[1])
+    if not bad:
+        return x, e, None
+    finite = np.isfinite(x)
+    return np.where(finite, x, np.float32(0)), e, np.where(finite, np.float32(0), x)
 
 
-def result(sums: np.ndarray, quantum: int | None, global_weight: int, out: np.ndarray) -> None:
-    """Write ``sums * 2**quantum / global_weight`` into ``out`` (its own dtype), rounded once to float64 then to ``out``'s."""
-    if quantum is None:
-        out[...] = 0
-        return
-    value = np.ldexp(sums.astype(np.float64), quantum)
-    value /= float(global_weight)
-    out[...] = value.astype(np.float32).reshape(out.shape) if out.dtype != np.float64 else value.reshape(out.shape)
+class _NumPy:
+    """The passes of :mod:`mpidp.exact_kernels` in NumPy: the same bits, more passes."""
+
+    @staticmethod
+    def maxabs(bits: np.ndarray) -> tuple[int, bool]:
+        if bits.size == 0:
+            return 0, False
+        magnitudes = bits & np.uint32(0x7FFFFFFF)
+        top = int(magnitudes.max())
+        if top < 0x7F800000:
+            return top, False
+        finite = magnitudes[magnitudes < 0x7F800000]
+        return (int(finite.max()) if finite.size else 0), True
+
+    @staticmethod
+    def pack(x: np.ndarray, scale: float, t: int, acc: np.ndarray, s: int, out: np.ndarray) -> None:
+        ints = np.rint(x.astype(np.float64) * scale).astype(np.int64) << t if x.size else 0
+        base = acc << s if acc.size else 0
+        out[...] = base + ints
+
+    @staticmethod
+    def unpack(ints: np.ndarray, scale: float, weight: float, out: np.ndarray) -> None:
+        out[...] = (ints.astype(np.float64) * scale / weight).astype(np.float32)
+
+
+#: the passes in use: the compiled ones where numba is installed, else NumPy's; set by :func:`kernels`
+_kernels: Any = None
+
+
+def kernels() -> Any:
+    """The compiled passes (:mod:`mpidp.exact_kernels`), or their NumPy forms where numba is not installed."""
+    global _kernels
+    if _kernels is None:
+        try:
+            from . import exact_kernels
+
+            _kernels = exact_kernels
+        except ImportError:
+            _kernels = _NumPy
+    return _kernels

@@ -41,18 +41,20 @@ def simulate(batches: Sequence[Sequence[np.ndarray]], groups: Sequence[Sequence[
                     acc.measure(i, g)  # the last one is reduce's own
     facts = [exact.Facts([acc.word(i) for acc in ranks if acc.present(i)]) for i in range(len(SIZES))]
     assert not any(f.overflow for f in facts)
-    total = np.zeros(sum(SIZES), np.int64)
-    for acc in ranks:
-        acc.finish(facts)
-        total += acc.buffer()  # MPI_SUM: integers, any order
-    out = []
-    lo = 0
-    for i, n in enumerate(SIZES):
-        r = np.empty(n, np.float32)
-        exact.result(total[lo : lo + n], facts[i].quantum, weight, r)
-        out.append(r)
-        lo += n
-    return out
+    return protocol(ranks, facts, weight)
+
+
+def protocol(ranks: Sequence[exact.Accumulator], facts: Sequence[exact.Facts], weight: int) -> list[np.ndarray]:
+    """Pack every simulated rank at the agreed quanta, sum the integers (MPI_SUM: any order), convert once."""
+    acc = ranks[0]
+    total = np.zeros(acc.total, np.int64)
+    for r in ranks:
+        packed = np.empty(acc.total, np.int64)
+        r.pack(0, acc.total, facts, packed)
+        total += packed
+    floats = np.empty(acc.total, np.float32)
+    acc.unpack(0, acc.total, facts, total, weight, floats)
+    return [floats[lo:hi] for lo, hi in acc.bounds]
 
 
 def digest(arrays: Sequence[np.ndarray]) -> str:
@@ -103,11 +105,8 @@ def test_16_bit_gradients_are_upcast_exactly() -> None:
     acc = exact.Accumulator((4,))
     g = np.array([1.5, -2.25, 0.0, 3.0], ml_dtypes.bfloat16)
     acc.measure(0, g)
-    facts = [exact.Facts([acc.word(0)])]
-    acc.finish(facts)
-    out = np.empty(4, ml_dtypes.bfloat16)
-    exact.result(acc.buffer(), facts[0].quantum, 1, out)
-    assert out.tobytes() == g.tobytes()
+    (out,) = protocol([acc], [exact.Facts([acc.word(0)])], 1)
+    assert out.astype(ml_dtypes.bfloat16).tobytes() == g.tobytes()
 
 
 def test_a_slot_that_spans_too_many_bits_is_refused_on_agreed_facts() -> None:
@@ -128,18 +127,14 @@ def test_values_that_are_not_finite_win_as_in_a_float32_sum() -> None:
     acc = [exact.Accumulator((3,)), exact.Accumulator((3,))]
     acc[0].fold(0, np.array([np.inf, 1.0, np.nan], np.float32))
     acc[1].measure(0, np.array([-np.inf, 2.0, 1.0], np.float32))
-    words = [a.word(0) for a in acc]
-    facts = [exact.Facts(words)]
+    facts = [exact.Facts([a.word(0) for a in acc])]
     assert facts[0].special
-    total = np.zeros(3, np.int64)
+    (out,) = protocol(acc, facts, 1)
     specials = np.zeros(3, np.float32)
     for a in acc:
-        a.finish(facts)
-        total += a.buffer()
+        a.take_specials()
         with np.errstate(invalid="ignore"):  # inf + -inf: NaN, as in a float32 sum
             specials += a.special.get(0, np.zeros(3, np.float32))
-    out = np.empty(3, np.float32)
-    exact.result(total, facts[0].quantum, 1, out)
     np.copyto(out, specials, where=specials != 0)
     assert np.isnan(out[0]) and out[1] == 3.0 and np.isnan(out[2])
 
@@ -157,3 +152,19 @@ def test_shard_takes_every_nth_micro_batch() -> None:
     assert sorted(i for r in range(7) for i in exact.shard(30, r, 7)) == list(range(30))
     with pytest.raises(ValueError, match="rank"):
         exact.shard(3, 2, 2)
+
+
+@pytest.mark.parametrize("passes", ["numpy", "compiled"])
+def test_the_compiled_passes_and_numpy_give_the_same_bits(passes: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    if passes == "compiled":
+        pytest.importorskip("numba")
+        from mpidp import exact_kernels
+
+        monkeypatch.setattr(exact, "_kernels", exact_kernels)
+    else:
+        monkeypatch.setattr(exact, "_kernels", exact._NumPy)
+    batches = micro_batches(12, seed=11)
+    batches[3][1][[5, 9]] = [np.inf, np.nan]
+    got = simulate(batches, [list(exact.shard(12, r, 3)) for r in range(3)])
+    monkeypatch.setattr(exact, "_kernels", exact._NumPy)
+    assert digest(got) == digest(simulate(batches, [list(exact.shard(12, r, 3)) for r in range(3)]))

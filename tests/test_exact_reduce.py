@@ -65,6 +65,22 @@ def test_the_same_bits_as_one_process(comm: MPI.Comm, ranks: int | None) -> None
                 assert got == (expected if step == 0 else one_process(step=step)), f"rank {sub.rank} of {sub.size}"
 
 
+@pytest.mark.parametrize("chunk_bytes", [4096, 40960])
+def test_nor_on_the_chunk_size(comm: MPI.Comm, chunk_bytes: int) -> None:
+    """Calls of 512 and 5120 int64 values, and the default 4 MiB: the same bits (the 300-value slots straddle calls)."""
+    p = {f"p{i}": np.zeros(300 + 37 * i, np.float32) for i in range(20)}
+
+    def run(c: MPI.Comm, **options: Any) -> bytes:
+        with mpidp.DataParallel.initialize(p, c, exact=True, **options) as dp:
+            for i in shard(COUNT, c.rank, c.size):
+                rng = np.random.default_rng(i)
+                dp.fold({k: rng.standard_normal(v.shape).astype(np.float32) for k, v in p.items()})
+            out = dp.reduce({}, 7 * len(shard(COUNT, c.rank, c.size)), mpidp.MissingGradientPolicy.ZERO)
+            return b"".join(out.gradients[k].tobytes() for k in sorted(out.gradients))
+
+    assert run(comm, chunk_bytes=chunk_bytes) == run(MPI.COMM_SELF)
+
+
 def test_a_rank_of_weight_zero_adds_nothing_of_what_it_folded(comm: MPI.Comm) -> None:
     expected = one_process()
     with mpidp.DataParallel.initialize(params(), comm, exact=True) as dp:

@@ -22,7 +22,7 @@ from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
 
-from . import arrays, checks, cuda, exact, guard, launch, layout, overlap, records
+from . import arrays, checks, cuda, exact, exact_window, guard, launch, layout, overlap, records
 from . import comm as _mpi
 from .checks import ByteRegions
 from .comm import Communicator, MPIComm
@@ -104,7 +104,7 @@ class DataParallel:
         self._heads = tuple(i for i, e in enumerate(self._contract) if e.alias == i)
         self._slots = Slots(found.contract, found.infos, found.arrays)
         #: the exact reduction's integer sums (:mod:`mpidp.exact`), in an exact session
-        self._exact = exact.Accumulator(self._slots.sizes) if local.setup.exact else None
+        self._exact = exact_window.ExactWindow(self._slots, Window.PRESENCE + self._slots.words) if local.setup.exact else None
         extra = len(self._slots) if self._exact is not None else 0  # a word per slot: its exact facts
         self._frame = Frame(max(Window.body(len(self._slots)) + extra, len(self._heads), 1))
         self._window_frame = self._frame.new(records.WINDOW)  # reused: Allgather copies it out
@@ -290,8 +290,12 @@ class DataParallel:
         agreed = self.agree_window(grads, local_weight, policy, step=step)
         given, weight, global_weight, key = agreed.given, agreed.weight, agreed.global_weight, agreed.key
         operation = f"reduce (window {self._window})"
-        if agreed.exact is not None:
-            return ReducedGradients(self._reduce_exact(agreed, operation), global_weight)
+        if self._exact is not None:
+            try:
+                return ReducedGradients(self._exact.reduce(agreed, self._comm, self._chunk_bytes, operation), global_weight)
+            except CollectiveError as e:
+                self._failed = str(e)
+                raise
         entry = self._cache.plan(key, self._slots.sizes, len(self._transport.stage), self._slots.kinds)
         try:
             # device work (zeros, contiguous copies, casts, streams and events) runs on the session's device
@@ -330,7 +334,7 @@ class DataParallel:
             step_word = step + 1
         else:
             step_word, error = _check_step(step, error)
-        present = None if self._exact is None else self._measure(given)
+        present = None if self._exact is None else self._exact.measure(given)
         complete = None not in given if present is None else all(present)  # Given never equals None: an identity test per entry, in C
         if present is None and not complete:
             present = [x is not None for x in given]
@@ -349,17 +353,16 @@ class DataParallel:
             error = error or late
         Window.fill(self._window_frame, step_word, code, weight, presence)
         if self._exact is not None:
-            base = Window.PRESENCE + self._slots.words
-            self._window_frame[base : base + len(given)] = np.array([self._exact.word(i) for i in range(len(given))], np.uint64)
+            self._exact.words(self._window_frame)
         try:
             rows = records.agree(self._comm, self._window_frame, error, f"{operation}: exchange", self._judge, Window.AGREED)
             global_weight, key = Window.facts(rows, self._slots.words)
             _check_global_weight(global_weight)
-            facts = None if self._exact is None else self._exact_facts(rows)
+            facts = None if self._exact is None else self._exact.facts(rows)
         except ContractError:
             self._cache.program = None  # a window that raises keeps no gradient arrays
             if self._exact is not None:  # a refused window forgets its folds: the next one starts clean
-                self._exact.clear()
+                self._exact.forget()
             raise
         return Agreed(given, weight, global_weight, key, any(r[Window.WEIGHT] == 0 for r in rows), facts)
 
@@ -379,92 +382,10 @@ class DataParallel:
         wrong is this rank's error at the next :meth:`reduce`, on every rank,
         and that window's folds are forgotten.
         """
-        acc = self._exact
-        if acc is None:
+        if self._exact is None:
             raise ContractError("fold needs an exact session: DataParallel.initialize(..., exact=True)")
         self._usable()
-        seen: set[int] = set()
-        for name, g in grads.items():
-            group = self._slots.of.get(name)
-            why = _fold_problem(name, g, group, seen, self._slots.frozen)
-            if why is None and group is not None:
-                seen.add(group.number)
-                try:
-                    acc.fold(group.number, arrays.view(g))
-                except Exception as e:  # noqa: BLE001 - this rank's error at the next reduce, on every rank
-                    why = f"could not read gradient {name!r}: {type(e).__name__}: {e}"
-            if why is not None:
-                acc.error = acc.error or f"fold: {why}"
-                return
-
-    def _measure(self, given: Sequence[Given | None]) -> list[bool]:
-        """Take the facts of the window's last gradients for the exact record; which slots this rank has (local)."""
-        acc = self._exact
-        assert acc is not None
-        for i, x in enumerate(given):
-            if x is not None:
-                try:
-                    acc.measure(i, x.view)
-                except Exception as e:  # noqa: BLE001 - this rank's error, agreed
-                    acc.error = acc.error or f"could not read gradient {x.name!r}: {type(e).__name__}: {e}"
-        return [x is not None or acc.present(i) for i, x in enumerate(given)]
-
-    def _exact_facts(self, rows: list[list[int]]) -> tuple[exact.Facts, ...]:
-        """Every slot's agreed exact facts over the ranks with a weight; ContractError where a slot would overflow."""
-        base = Window.PRESENCE + self._slots.words
-        weighted = [r for r in rows if r[Window.WEIGHT]]
-        facts = tuple(exact.Facts([r[base + i] for r in weighted]) for i in range(len(self._slots)))
-        for group, f in zip(self._slots.groups, facts):
-            if f.overflow:
-                raise ContractError(
-                    f"exact reduction: the gradients of {group.name!r} span more than {exact.LIMIT} bits over this window's "
-                    f"{f.count} micro-batches (magnitudes from below 2**{f.top} down to quanta of 2**{f.quantum}), "
-                    "more than an int64 sum holds; fold fewer micro-batches per window, or reduce without exact=True"
-                )
-        return facts
-
-    def _reduce_exact(self, agreed: Agreed, operation: str) -> dict[str, Any]:
-        """Sum the window's integers over the ranks and convert them once (collective; after the agreement)."""
-        acc, facts = self._exact, agreed.exact
-        assert acc is not None and facts is not None
-        comm = self._comm
-        out: dict[str, Any] = {}
-        targets: list[Any] = [None] * len(self._slots)
-        for i, here in enumerate(agreed.present(len(self._slots))):
-            if here:
-                x, group = agreed.given[i], self._slots.groups[i]
-                g = arrays.zeros_like(group.param) if x is None else x.array
-                targets[i] = arrays.view(g) if x is None else x.view
-                out[group.name if x is None else x.name] = g
-        try:
-            exact.reduce(
-                acc, facts, targets, agreed.weight > 0, agreed.global_weight, self._chunk_bytes // 8, comm.rank, comm.size,
-                lambda send, recv: comm.Reduce_scatter_block(send, recv, f"{operation}: Reduce_scatter_block (int64)"),
-                lambda b: comm.Allgather_in_place(b, f"{operation}: Allgather"),
-            )
-            if any(f.special for f in facts):
-                self._exact_specials(agreed, targets, operation)
-        except CollectiveError as e:
-            self._failed = str(e)
-            raise
-        finally:
-            acc.clear()
-        return out
-
-    def _exact_specials(self, agreed: Agreed, targets: Sequence[Any], operation: str) -> None:
-        """inf and NaN: summed apart in float32 (no order either), they win over the finite sums as in a float sum (collective)."""
-        acc, facts = self._exact, agreed.exact
-        assert acc is not None and facts is not None
-        acc.take_specials()
-        for i, f in enumerate(facts):
-            if not f.special:
-                continue
-            kept = acc.special.get(i) if agreed.weight else None
-            kept = np.zeros(acc.sizes[i], np.float32) if kept is None else kept
-            self._comm.Allreduce(kept, f"{operation}: Allreduce (not finite)")
-            if targets[i] is not None:
-                kept = kept.reshape(targets[i].shape)
-                np.copyto(targets[i], kept, where=kept != 0)
+        self._exact.fold(grads)
 
     def _check_window(self, grads: Any, given: list[Given | None]) -> str | None:
         """This rank's replica and gradients, checked (local): the error, or None with ``given`` filled."""
@@ -882,18 +803,6 @@ def _changes(was: arrays.ArrayInfo | None, now: arrays.ArrayInfo | None) -> str:
         return f"{now} was {was}"
     fields = ("backend", "dtype", "shape", "device")
     return ", ".join(f"{f} {getattr(now, f)} was {getattr(was, f)}" for f in fields if getattr(now, f) != getattr(was, f))
-
-
-def _fold_problem(name: str, g: Any, group: Any, seen: set[int], frozen: frozenset[str]) -> str | None:
-    """Why ``g`` cannot be folded as the gradient of ``name`` (its reduction slot ``group``), or None (local)."""
-    if group is None:
-        return f"gradient for {'frozen' if name in frozen else 'unknown'} parameter {name!r}"
-    if group.number in seen:
-        return f"two gradients for one tied array in one fold: {name!r} and another name of {group.name!r}"
-    info = arrays.describe(g)
-    if info is None or (info.shape, info.dtype, info.device) != (group.info.shape, group.info.dtype, group.info.device):
-        return f"gradient {name!r} ({info}) does not match its parameter ({group.info})"
-    return None
 
 
 def _check_step(step: Any, error: str | None) -> tuple[int, str | None]:

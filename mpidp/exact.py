@@ -28,12 +28,12 @@ from __future__ import annotations
 
 import bisect
 import itertools
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
 
-__all__ = ["BITS", "LIMIT", "Accumulator", "Facts", "decode", "encode", "reduce", "shard"]
+__all__ = ["BITS", "LIMIT", "Accumulator", "Facts", "Stage", "decode", "encode", "kernels", "shard"]
 
 #: each fold keeps its values to 2**-BITS of the power of two above its largest magnitude
 BITS = 36
@@ -256,59 +256,6 @@ class Accumulator:
             if a < b:
                 yield i, a, b
             i += 1
-
-
-def reduce(
-    acc: Accumulator, facts: Sequence[Facts], targets: Sequence[Any], weighted: bool, global_weight: int,
-    chunk: int, rank: int, size: int, scatter: Callable[[np.ndarray, np.ndarray], None], gather: Callable[[np.ndarray], None],
-) -> None:
-    """Sum the window's integers over the ranks and write each target's exact result (collective, after the agreement).
-
-    Chunk by chunk of ``chunk`` int64 values: pack at the agreed quanta
-    (zeros where this rank has no weight), ``scatter`` (a Reduce_scatter_block:
-    this rank's share summed), convert this rank's share to float32,
-    ``gather`` (an Allgather in place), write into ``targets`` (a host array
-    per globally present slot, else None). Every rank calls the same
-    collectives: ``chunk`` and the slots are agreed facts.
-    """
-    c = max(size, chunk // size * size)
-    stage = acc.stage(c, size)
-    later: dict[int, np.ndarray] = {}
-    for lo in range(0, acc.total, c):
-        hi = min(lo + c, acc.total)
-        width = -(-(hi - lo) // size) * size
-        send, part = stage.send[:width], width // size
-        if weighted:
-            acc.pack(lo, hi, facts, send[: hi - lo])
-            send[hi - lo :] = 0
-        else:
-            send[...] = 0
-        ints = send
-        if size > 1:
-            scatter(send, stage.shard[:part])
-            ints = stage.shard[:part]
-        mine_lo, mine_hi = min(hi, lo + rank * part), min(hi, lo + (rank + 1) * part)
-        floats = stage.floats[:width]
-        acc.unpack(mine_lo, mine_hi, facts, ints[: mine_hi - mine_lo], global_weight, floats[mine_lo - lo : mine_hi - lo])
-        if size > 1:
-            gather(floats)
-        _write(acc, lo, hi, floats, targets, later)
-    for i, values in later.items():
-        t = targets[i]
-        t[...] = values.reshape(t.shape)
-
-
-def _write(acc: Accumulator, lo: int, hi: int, floats: np.ndarray, targets: Sequence[Any], later: dict[int, np.ndarray]) -> None:
-    """Copy the results of slot space ``[lo, hi)`` into the targets (whole-slot copies for targets not flat float32)."""
-    for i, a, b in acc.pieces(lo, hi):
-        t = targets[i]
-        if t is None:
-            continue
-        base = acc.starts[i]
-        if t.dtype == np.float32 and t.flags.c_contiguous:
-            t.reshape(-1)[a - base : b - base] = floats[a - lo : b - lo]
-        else:
-            later.setdefault(i, np.empty(acc.sizes[i], np.float32))[a - base : b - base] = floats[a - lo : b - lo]
 
 
 _EMPTY = np.zeros(0, np.int64)

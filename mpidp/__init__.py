@@ -5,6 +5,7 @@
 
 from .core import DataParallel, MissingGradientPolicy, ReducedGradients, flat_parameters
 from .errors import CollectiveError, ContractError, DataParallelError
+from .exact import shard
 
 __version__ = "0.1.0"
 
@@ -17,4 +18,5 @@ __all__ = [
     "ReducedGradients",
     "__version__",
     "flat_parameters",
+    "shard",
 ]

@@ -76,6 +76,11 @@ def setup(
     chunk = int(chunk_bytes) // 4 * 4
     reduction, why = reduction_mode()
     error = error or why
+    exact = options.get("exact", False)
+    if not isinstance(exact, bool):
+        error = error or f"exact must be True or False, got {exact!r}"
+    elif exact and found.device != "cpu":
+        error = error or f"exact=True reduces host (CPU) arrays only; this rank's device is {found.device}"
     stage: Any = None
     gpu: cuda.Device | None = None
     scatter: packing.Scatter | None = None
@@ -88,7 +93,7 @@ def setup(
             error = f"could not allocate the chunk buffers (chunk_bytes={chunk_bytes}, {found.device}): {type(e).__name__}: {e}"
     heads = [a for i, (e, a) in enumerate(zip(found.contract, found.arrays)) if e.alias == i]
     runs = layout.runs(heads, found.device) if error is None else None
-    setup = Setup(found.contract, int(root), chunk, on_host(found), runs, regions.entries, reduction)
+    setup = Setup(found.contract, int(root), chunk, on_host(found), runs, regions.entries, reduction, exact is True)
     return Found(setup, error, found, aware, stage, gpu, scatter)
 
 

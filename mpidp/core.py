@@ -22,7 +22,7 @@ from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
 
-from . import arrays, checks, cuda, guard, launch, layout, overlap, records
+from . import arrays, checks, cuda, exact, exact_window, guard, launch, layout, overlap, records
 from . import comm as _mpi
 from .checks import ByteRegions
 from .comm import Communicator, MPIComm
@@ -71,6 +71,7 @@ class Agreed(NamedTuple):
     global_weight: int
     key: tuple[int, ...]  # the presence words OR-ed over the ranks with a weight
     zero_weight: bool  # some rank has weight 0: its gradients count as zeros
+    exact: tuple[exact.Facts, ...] | None = None  # per slot, the agreed facts of the exact reduction (exact sessions)
 
     def present(self, slots: int) -> list[bool]:
         """Whether each reduction slot is globally present."""
@@ -102,7 +103,10 @@ class DataParallel:
         #: contract indices of every tie-group head (frozen ones included): what is broadcast and verified
         self._heads = tuple(i for i, e in enumerate(self._contract) if e.alias == i)
         self._slots = Slots(found.contract, found.infos, found.arrays)
-        self._frame = Frame(max(Window.body(len(self._slots)), len(self._heads), 1))
+        #: the exact reduction's integer sums (:mod:`mpidp.exact`), in an exact session
+        self._exact = exact_window.ExactWindow(self._slots, Window.PRESENCE + self._slots.words) if local.setup.exact else None
+        extra = len(self._slots) if self._exact is not None else 0  # a word per slot: its exact facts
+        self._frame = Frame(max(Window.body(len(self._slots)) + extra, len(self._heads), 1))
         self._window_frame = self._frame.new(records.WINDOW)  # reused: Allgather copies it out
         self._judge = Window.judge(MissingGradientPolicy)
         self._cache = Cache()
@@ -126,6 +130,7 @@ class DataParallel:
         device: str | None = None,
         abort_on_exception: bool = True,
         timeout: float | None = None,
+        exact: bool = False,
     ) -> DataParallel:
         """Validate every rank's replica, agree, then broadcast it from ``root`` in place.
 
@@ -144,10 +149,16 @@ class DataParallel:
         it aborts the job when a rank waits longer than that in one mpidp
         collective, this call's own included.
 
+        ``exact=True`` makes :meth:`reduce` exact (:mod:`mpidp.exact`, host
+        arrays only): the result's bits then depend only on the set of
+        micro-batches whose gradients were folded (:meth:`fold`) or passed,
+        not on the world size, the reduction path or their order. Every
+        rank must pass the same.
+
         Raises ContractError on every rank if any rank's replica is invalid
         or differs from another's; nothing is modified then.
         """
-        options = {"chunk_bytes": chunk_bytes, "device": device, "abort_on_exception": abort_on_exception, "timeout": timeout}
+        options = {"chunk_bytes": chunk_bytes, "device": device, "abort_on_exception": abort_on_exception, "timeout": timeout, "exact": exact}
         return start(params, comm, root, frozen, options, checks.NO_REGIONS)
 
     def _broadcast(self, everyone: list[Setup]) -> None:
@@ -279,6 +290,12 @@ class DataParallel:
         agreed = self.agree_window(grads, local_weight, policy, step=step)
         given, weight, global_weight, key = agreed.given, agreed.weight, agreed.global_weight, agreed.key
         operation = f"reduce (window {self._window})"
+        if self._exact is not None:
+            try:
+                return ReducedGradients(self._exact.reduce(agreed, self._comm, self._chunk_bytes, operation), global_weight)
+            except CollectiveError as e:
+                self._failed = str(e)
+                raise
         entry = self._cache.plan(key, self._slots.sizes, len(self._transport.stage), self._slots.kinds)
         try:
             # device work (zeros, contiguous copies, casts, streams and events) runs on the session's device
@@ -317,26 +334,58 @@ class DataParallel:
             step_word = step + 1
         else:
             step_word, error = _check_step(step, error)
-        complete = None not in given  # Given never equals None: an identity test per entry, in C
+        present = None if self._exact is None else self._exact.measure(given)
+        complete = None not in given if present is None else all(present)  # Given never equals None: an identity test per entry, in C
+        if present is None and not complete:
+            present = [x is not None for x in given]
         if error is None and code == MissingGradientPolicy.ERROR.value and weight > 0 and not complete:
-            missing = self._slots.groups[next(i for i, x in enumerate(given) if x is None)].name
+            assert present is not None
+            missing = self._slots.groups[present.index(False)].name
             error = (
                 f"parameter {missing!r} has no gradient (policy ERROR, local weight {weight}); "
                 "pass policy=MissingGradientPolicy.ZERO if it is legitimately unused"
             )
-        presence = self._slots.complete if complete else self._slots.presence([x is not None for x in given])
+        if self._exact is not None:
+            error = error or self._exact.error
+        presence = self._slots.complete if complete or present is None else self._slots.presence(present)
         if settle is not None:
             late = settle()
             error = error or late
         Window.fill(self._window_frame, step_word, code, weight, presence)
+        if self._exact is not None:
+            self._exact.words(self._window_frame)
         try:
             rows = records.agree(self._comm, self._window_frame, error, f"{operation}: exchange", self._judge, Window.AGREED)
             global_weight, key = Window.facts(rows, self._slots.words)
             _check_global_weight(global_weight)
+            facts = None if self._exact is None else self._exact.facts(rows)
         except ContractError:
             self._cache.program = None  # a window that raises keeps no gradient arrays
+            if self._exact is not None:  # a refused window forgets its folds: the next one starts clean
+                self._exact.forget()
             raise
-        return Agreed(given, weight, global_weight, key, any(r[Window.WEIGHT] == 0 for r in rows))
+        return Agreed(given, weight, global_weight, key, any(r[Window.WEIGHT] == 0 for r in rows), facts)
+
+    # ------------------------------------------------------ exact reduction
+
+    def fold(self, grads: Mapping[str, Any]) -> None:
+        """Add one micro-batch's gradients to this window's exact sums (local; ``initialize(..., exact=True)``).
+
+        ``grads`` maps names of trainable parameters (one per tie group) to
+        host gradients of one micro-batch's loss sum; they are read, not
+        modified, and may be reused for the next micro-batch at once. The
+        next :meth:`reduce` adds its own ``grads`` as the window's last
+        micro-batch and reduces all of them exactly (:mod:`mpidp.exact`).
+        Fold every micro-batch separately: micro-batches summed in float32
+        before they are folded count as one, and their float32 sum depends
+        on how they were grouped. Never raises for bad gradients: what is
+        wrong is this rank's error at the next :meth:`reduce`, on every rank,
+        and that window's folds are forgotten.
+        """
+        if self._exact is None:
+            raise ContractError("fold needs an exact session: DataParallel.initialize(..., exact=True)")
+        self._usable()
+        self._exact.fold(grads)
 
     def _check_window(self, grads: Any, given: list[Given | None]) -> str | None:
         """This rank's replica and gradients, checked (local): the error, or None with ``given`` filled."""

@@ -69,6 +69,8 @@ class Setup:
     regions: Regions = ()
     #: how host calls are summed (``MPIDP_REDUCTION``): every rank must choose alike
     reduction: str = "auto"
+    #: the exact reduction (:mod:`mpidp.exact`): every rank must choose alike
+    exact: bool = False
 
     def encode(self, error: str | None) -> dict[str, Any]:
         """Plain data by field name, with this rank's error (the restricted unpickler admits nothing else)."""
@@ -103,6 +105,8 @@ class Setup:
                 return f"rank {rank} uses chunk_bytes={r.chunk_bytes}, rank 0 chunk_bytes={head.chunk_bytes}"
             if r.reduction != head.reduction:
                 return f"rank {rank} uses MPIDP_REDUCTION={r.reduction!r}, rank 0 MPIDP_REDUCTION={head.reduction!r}"
+            if r.exact != head.exact:
+                return f"rank {rank} passes exact={r.exact}, rank 0 exact={head.exact}: every rank must pass the same"
         return None
 
 

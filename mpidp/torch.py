@@ -74,6 +74,11 @@ class DataParallel:
     node has a core free for it besides its ``torch.get_num_threads()``
     computing threads per rank, else the hooks. Every rank must pass the same.
 
+    ``exact=True`` makes :meth:`reduce` exact (CPU parameters, no overlap):
+    call :meth:`fold` after each micro-batch's backward, and the result's
+    bits depend only on the set of micro-batches, not on the world size
+    (:mod:`mpidp.exact`, docs/reproducibility.md).
+
     ``chunk_bytes``, ``abort_on_exception`` and ``timeout`` are those of
     :meth:`mpidp.DataParallel.initialize`. Raises ContractError on every rank,
     before anything is modified, if any rank's model is invalid or differs
@@ -92,6 +97,7 @@ class DataParallel:
         flat_parameters: bool = False,
         overlap: bool | str = False,
         bucket_bytes: int | None = None,
+        exact: bool = False,
     ) -> None:
         self.module = model
         error = _check_module(model)
@@ -99,12 +105,14 @@ class DataParallel:
         if bucket_bytes is None:
             bucket_bytes = chunk_bytes
         error = error or regions.error or _overlap_problem(model, overlap, bucket_bytes)
+        if exact is True and overlap is not False:
+            error = error or f"exact=True does not overlap with backward yet: pass overlap=False (got overlap={overlap!r})"
         self._params: dict[str, Any] = dict(model.named_parameters(remove_duplicate=False)) if error is None else {}
         frozen = [name for name, p in self._params.items() if not p.requires_grad]
         moved: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
         if flat_parameters and error is None:
             moved, error = _flatten(self._params)
-        options = {"chunk_bytes": chunk_bytes, "device": None, "abort_on_exception": abort_on_exception, "timeout": timeout}
+        options = {"chunk_bytes": chunk_bytes, "device": None, "abort_on_exception": abort_on_exception, "timeout": timeout, "exact": exact}
         try:  # the buffers are agreed on and moved with the parameters: one record, one communicator
             self._core = core.start(self._params, comm, root, frozen, options, regions._replace(error=error))
         except BaseException:
@@ -216,6 +224,26 @@ class DataParallel:
             elif p.grad is not g:
                 p.grad = g
         return out.global_weight
+
+    def fold(self) -> None:
+        """Add this micro-batch's ``.grad`` to the window's exact sums, then zero them in place (local; ``exact=True``).
+
+        Call it after each micro-batch's backward; :meth:`reduce` adds what
+        ``.grad`` holds then as the window's last micro-batch (zeros, if it
+        was folded too) and writes the exact global token mean into ``.grad``.
+        Micro-batches accumulated in ``.grad`` without a fold in between count
+        as one, summed in float32 by autograd: fold each one for the same bits
+        at every world size. A gradient that cannot be folded is this rank's
+        error at the next :meth:`reduce`, on every rank.
+        """
+        params = self._refresh()
+        grads = {
+            h: g if g.layout == torch.strided else g.to_dense()
+            for h in self._core.trainable
+            if (p := params.get(h)) is not None and (g := p.grad) is not None
+        }
+        self._core.fold(grads)
+        self.zero_grad()
 
     def join(self, batches: Iterable[T]) -> Iterator[T | None]:
         """Yield this rank's batches, then None until no rank has one left (collective; uneven shards).

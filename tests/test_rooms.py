@@ -12,7 +12,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "mpidp"
 FLOORS = {
     "errors": 0,
     "arrays": 1, "launch": 1, "kernels": 1,
-    "contract": 2, "packing": 2, "comm": 2,
+    "contract": 2, "packing": 2, "comm": 2, "exact": 2, "exact_kernels": 1, "exact_window": 4,
     "layout": 3, "records": 3, "cuda": 3, "guard": 3, "overlap": 3,
     "window": 4, "checks": 4,
     "core": 5,

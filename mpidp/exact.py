@@ -1,0 +1,318 @@
+"""The exact reduction: gradients as 64-bit integers at agreed scales, so that the sum has no order (pure).
+
+Float32 sums depend on their order, and the order changes with the world
+size, the reduction path and a resume. Integer sums do not. As CESM's
+``shr_reprosum`` does, each *fold* (one micro-batch's gradient of one
+reduction slot) is rounded once to a quantum of its own,
+``2**(e - BITS)``, where ``2**e`` is the smallest power of two above the
+fold's largest magnitude (a fact of the micro-batch alone), and kept as
+int64 multiples of the finest quantum folded so far (a left shift, exact).
+The window's record carries, per slot, the finest quantum, the largest
+exponent and the number of folds; the ranks with a weight agree on their
+minimum, maximum and sum, which do not depend on how the micro-batches
+were spread over the ranks. Every rank shifts its integers to the agreed
+quantum, the integers are summed with MPI_SUM in any order or grouping,
+and the sum is converted once: ``float(sum) * 2**quantum / global_weight``,
+in float64, then cast to the parameter's dtype. The result's bits depend
+only on the set of micro-batches.
+
+A slot whose folds span more than :data:`LIMIT` bits (largest exponent
+minus finest quantum, plus the bits of the number of folds) could overflow
+the int64 sum: that is one ContractError on every rank, decided on agreed
+facts, so at every world size alike. Values that are not finite (inf,
+NaN) are kept apart, summed in float32 (a sum of infinities and NaNs has
+no order either), and win over the finite sum, as in a float32 sum.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+from collections.abc import Iterator, Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+
+__all__ = ["BITS", "LIMIT", "Accumulator", "Facts", "Stage", "decode", "encode", "kernels", "shard"]
+
+#: each fold keeps its values to 2**-BITS of the power of two above its largest magnitude
+BITS = 36
+#: the bits an agreed slot may span: largest exponent - finest quantum + bits of the number of folds
+LIMIT = 62
+
+_BIAS = 1 << 11  # exponents travel as unsigned 12-bit fields
+_COUNT_BITS = 32
+_SPECIAL = 1 << 62  # a fold held a value that is not finite
+_OVERFLOW = 1 << 63  # a fold could not be added without exceeding LIMIT
+
+
+def shard(count: int, rank: int, size: int) -> range:
+    """The micro-batches of a fixed list of ``count`` that rank ``rank`` of ``size`` takes: ``rank, rank + size, ...``.
+
+    Local. Micro-batch ``i`` goes to rank ``i % size``: the same list, cut
+    the same way at every world size, so that an exact reduction of the
+    micro-batches' gradients gives the same bits at any world size.
+    """
+    if min(count, rank, size - 1) < 0 or rank >= size:
+        raise ValueError(f"shard needs count >= 0 and 0 <= rank < size, got count={count}, rank={rank}, size={size}")
+    return range(rank, count, size)
+
+
+def encode(quantum: int | None, top: int, count: int, special: bool, overflow: bool) -> int:
+    """One slot's word of a window record (0: nothing folded, nothing special)."""
+    word = (_SPECIAL if special else 0) | (_OVERFLOW if overflow else 0)
+    if quantum is not None:
+        word |= (quantum + _BIAS) | ((top + _BIAS) << 12) | (min(count, (1 << _COUNT_BITS) - 1) << 24)
+    return word
+
+
+def decode(word: int) -> tuple[int | None, int, int, bool, bool]:
+    """(quantum or None, top, count, special, overflow) of a slot's word."""
+    low = word & 0xFFF
+    quantum = None if low == 0 else low - _BIAS
+    top = ((word >> 12) & 0xFFF) - _BIAS
+    count = (word >> 24) & ((1 << _COUNT_BITS) - 1)
+    return quantum, top, count, bool(word & _SPECIAL), bool(word & _OVERFLOW)
+
+
+class Facts:
+    """The agreed facts of one slot over the ranks with a weight: finest quantum, largest exponent, folds."""
+
+    __slots__ = ("count", "overflow", "quantum", "special", "top")
+
+    def __init__(self, words: Sequence[int]) -> None:
+        self.quantum: int | None = None
+        self.top = -_BIAS
+        self.count = 0
+        self.special = False
+        self.overflow = False
+        for word in words:
+            q, top, count, special, overflow = decode(word)
+            self.special |= special
+            self.overflow |= overflow
+            if q is not None:
+                self.quantum = q if self.quantum is None else min(self.quantum, q)
+                self.top = max(self.top, top)
+                self.count += count
+        if self.quantum is not None and _span(self.top, self.quantum, self.count) > LIMIT:
+            self.overflow = True
+
+
+def _span(top: int, quantum: int, count: int) -> int:
+    """Bits the sum of ``count`` folds of magnitude below ``2**top`` at ``quantum`` may need."""
+    return top - quantum + int(count).bit_length()
+
+
+class Stage(NamedTuple):
+    """The chunk buffers of an exact window: the int64 send chunk, this rank's summed share, the float32 results."""
+
+    send: np.ndarray
+    shard: np.ndarray
+    floats: np.ndarray
+
+
+class Accumulator:
+    """This rank's integer sums of one window, per reduction slot (local, but for :meth:`reduce`).
+
+    ``fold`` adds one micro-batch's gradient of a slot; ``measure`` takes
+    the last one's facts without adding it (what the window's record needs
+    before the agreement, so that a refused window leaves nothing added);
+    ``reduce`` packs what was folded and measured chunk by chunk at the
+    agreed quanta, sums over the ranks and converts back.
+    """
+
+    def __init__(self, sizes: Sequence[int]) -> None:
+        self.sizes = tuple(int(n) for n in sizes)
+        bounds = np.cumsum((0, *self.sizes)).tolist()
+        self.starts = bounds[:-1]
+        self.bounds = list(itertools.pairwise(bounds))
+        self.total = bounds[-1]
+        self.sums: np.ndarray | None = None  # int64, allocated on the first fold
+        self.dirty = False
+        self._stage: Stage | None = None
+        #: the first error of a fold, this rank's error at the next reduce
+        self.error: str | None = None
+        self.clear()
+
+    def clear(self) -> None:
+        """Forget the window's folds (after a reduce, and after a refused window)."""
+        n = len(self.sizes)
+        self.quantum: list[int | None] = [None] * n
+        self.top = [-_BIAS] * n
+        self.count = [0] * n
+        self.folded = [False] * n
+        self.overflow = [False] * n
+        self.special: dict[int, np.ndarray] = {}
+        #: per slot measured for reduce: (float32 values, inf and NaN zeroed; exponent or None; the inf and NaN, or None)
+        self.pending: dict[int, tuple[np.ndarray, int | None, np.ndarray | None]] = {}
+        self.error = None
+        if self.sums is not None and self.dirty:
+            self.sums[...] = 0
+        self.dirty = False  # some fold wrote into the sums since they were zeroed
+
+    def buffer(self) -> np.ndarray:
+        """Every slot's integer sums, one int64 buffer in slot order (allocated on first use)."""
+        if self.sums is None:
+            self.sums = np.zeros(self.total, np.int64)
+        return self.sums
+
+    def slot(self, i: int) -> np.ndarray:
+        """Slot ``i``'s integer sums."""
+        lo, hi = self.bounds[i]
+        return self.buffer()[lo:hi]
+
+    def fold(self, i: int, values: Any) -> None:
+        """Add one micro-batch's gradient of slot ``i`` (a host array of any floating dtype; not modified)."""
+        x, e, bad = _measured(values)
+        self.folded[i] = True
+        if bad is not None:
+            self._keep(i, bad)
+        if e is None or self.overflow[i]:
+            return
+        now = self.quantum[i]
+        target = e - BITS if now is None else min(now, e - BITS)
+        if _span(max(self.top[i], e), target, self.count[i] + 1) > LIMIT:
+            self.overflow[i] = True
+            return
+        s = self.slot(i)
+        kernels().pack(x, 2.0 ** (BITS - e), e - BITS - target, _EMPTY if now is None else s, 0 if now is None else now - target, s)
+        self.dirty = True
+        self.quantum[i] = target
+        self.top[i] = max(self.top[i], e)
+        self.count[i] += 1
+
+    def measure(self, i: int, values: Any) -> None:
+        """Take the facts of slot ``i``'s last micro-batch, to be added by :meth:`reduce` (nothing added yet)."""
+        self.pending[i] = _measured(values)
+
+    def word(self, i: int) -> int:
+        """Slot ``i``'s word of the window record: its folds and what was measured."""
+        q, top, count, overflow = self.quantum[i], self.top[i], self.count[i], self.overflow[i]
+        special = i in self.special
+        if i in self.pending:
+            _, e, bad = self.pending[i]
+            special |= bad is not None
+            if e is not None:
+                q = e - BITS if q is None else min(q, e - BITS)
+                top, count = max(top, e), count + 1
+        return encode(q, top, count, special, overflow)
+
+    def present(self, i: int) -> bool:
+        """Whether slot ``i`` was folded or measured in this window."""
+        return self.folded[i] or i in self.pending
+
+    def take_specials(self) -> None:
+        """Add the inf and NaN of what was measured to the slots' float32 specials (after the agreement)."""
+        for i, (_, _, bad) in self.pending.items():
+            if bad is not None:
+                self._keep(i, bad)
+
+    def _keep(self, i: int, bad: np.ndarray) -> None:
+        kept = self.special.get(i)
+        if kept is None:
+            kept = self.special[i] = np.zeros(self.sizes[i], np.float32)
+        with np.errstate(invalid="ignore"):  # inf + -inf is NaN, as in a float32 sum
+            kept += bad
+
+    def stage(self, chunk: int, size: int) -> Stage:
+        """The chunk buffers, made on first use: ``chunk`` int64 values, a multiple of ``size``."""
+        if self._stage is None or self._stage.send.size != chunk:
+            self._stage = Stage(np.empty(chunk, np.int64), np.empty(chunk // size, np.int64), np.empty(chunk, np.float32))
+        return self._stage
+
+    def pack(self, lo: int, hi: int, facts: Sequence[Facts], out: np.ndarray) -> None:
+        """Slot space ``[lo, hi)`` at the agreed quanta, as int64 into ``out``: the folds shifted, plus what was measured."""
+        k = kernels()
+        for i, a, b in self.pieces(lo, hi):
+            q, o = facts[i].quantum, out[a - lo : b - lo]
+            if q is None:
+                o[...] = 0
+                continue
+            base = self.starts[i]
+            now = self.quantum[i]
+            acc = _EMPTY if now is None else self.buffer()[a:b]
+            x, e, _ = self.pending.get(i, (_EMPTY32, None, None))
+            if e is None:
+                x = _EMPTY32
+            else:
+                x = x[a - base : b - base]
+            k.pack(x, 2.0 ** (BITS - (e or 0)), (e or 0) - BITS - q, acc, 0 if now is None else now - q, o)
+
+    def unpack(self, lo: int, hi: int, facts: Sequence[Facts], ints: np.ndarray, global_weight: int, out: np.ndarray) -> None:
+        """Convert summed ints of slot space ``[lo, hi)`` to float32 ``ints * 2**quantum / global_weight`` into ``out``."""
+        k = kernels()
+        for i, a, b in self.pieces(lo, hi):
+            q, o = facts[i].quantum, out[a - lo : b - lo]
+            if q is None:
+                o[...] = 0
+            else:
+                k.unpack(ints[a - lo : b - lo], 2.0**q, float(global_weight), o)
+
+    def pieces(self, lo: int, hi: int) -> Iterator[tuple[int, int, int]]:
+        """The slots that overlap slot space ``[lo, hi)``: (slot, start, end) of each overlap."""
+        i = bisect.bisect_right(self.starts, lo) - 1
+        while i < len(self.sizes) and self.starts[i] < hi:
+            a, b = max(lo, self.bounds[i][0]), min(hi, self.bounds[i][1])
+            if a < b:
+                yield i, a, b
+            i += 1
+
+
+_EMPTY = np.zeros(0, np.int64)
+_EMPTY32 = np.zeros(0, np.float32)
+
+
+def _measured(values: Any) -> tuple[np.ndarray, int | None, np.ndarray | None]:
+    """A contiguous float32 view or copy of a host array (16-bit upcast exactly), inf and NaN zeroed; its exponent; the inf and NaN."""
+    x = np.asarray(values)
+    if x.dtype != np.float32 or not x.flags.c_contiguous:
+        x = np.ascontiguousarray(x, dtype=np.float32)
+    x = x.reshape(-1)
+    top, bad = kernels().maxabs(x.view(np.uint32))
+    e = None if top == 0 else int(np.frexp(np.uint32(top).view(np.float32))[1])
+    if not bad:
+        return x, e, None
+    finite = np.isfinite(x)
+    return np.where(finite, x, np.float32(0)), e, np.where(finite, np.float32(0), x)
+
+
+class _NumPy:
+    """The passes of :mod:`mpidp.exact_kernels` in NumPy: the same bits, more passes."""
+
+    @staticmethod
+    def maxabs(bits: np.ndarray) -> tuple[int, bool]:
+        if bits.size == 0:
+            return 0, False
+        magnitudes = bits & np.uint32(0x7FFFFFFF)
+        top = int(magnitudes.max())
+        if top < 0x7F800000:
+            return top, False
+        finite = magnitudes[magnitudes < 0x7F800000]
+        return (int(finite.max()) if finite.size else 0), True
+
+    @staticmethod
+    def pack(x: np.ndarray, scale: float, t: int, acc: np.ndarray, s: int, out: np.ndarray) -> None:
+        ints = np.rint(x.astype(np.float64) * scale).astype(np.int64) << t if x.size else 0
+        base = acc << s if acc.size else 0
+        out[...] = base + ints
+
+    @staticmethod
+    def unpack(ints: np.ndarray, scale: float, weight: float, out: np.ndarray) -> None:
+        out[...] = (ints.astype(np.float64) * scale / weight).astype(np.float32)
+
+
+#: the passes in use: the compiled ones where numba is installed, else NumPy's; set by :func:`kernels`
+_kernels: Any = None
+
+
+def kernels() -> Any:
+    """The compiled passes (:mod:`mpidp.exact_kernels`), or their NumPy forms where numba is not installed."""
+    global _kernels
+    if _kernels is None:
+        try:
+            from . import exact_kernels
+
+            _kernels = exact_kernels
+        except ImportError:
+            _kernels = _NumPy
+    return _kernels

@@ -1,0 +1,192 @@
+"""An exact session's side of each window (``initialize(..., exact=True)``): folds, record words, agreed facts, the move.
+
+The core calls it at four points of a window and knows nothing else of
+the exact reduction: :meth:`ExactWindow.measure` with the local checks,
+:meth:`ExactWindow.words` into the window's record, :meth:`ExactWindow.facts`
+after the agreement (a slot that would overflow is one ContractError on
+every rank), and :meth:`ExactWindow.reduce` to move the bytes. The
+arithmetic is :mod:`mpidp.exact`'s.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from . import arrays, exact
+from .errors import ContractError
+from .records import Window
+
+__all__ = ["ExactWindow", "reduce"]
+
+
+class ExactWindow:
+    """The exact sums of a session's reduction slots (``slots``: the core's), and their place in the window record."""
+
+    def __init__(self, slots: Any, base: int) -> None:
+        self.slots = slots
+        self.base = base  # the record word of slot 0's exact facts
+        self.acc = exact.Accumulator(slots.sizes)
+
+    @property
+    def error(self) -> str | None:
+        """What went wrong in a fold of this window: this rank's error at the agreement."""
+        return self.acc.error
+
+    def fold(self, grads: Mapping[str, Any]) -> None:
+        """Add one micro-batch's gradients (local; never raises for bad ones: :attr:`error`)."""
+        acc, seen = self.acc, set[int]()
+        for name, g in grads.items():
+            group = self.slots.of.get(name)
+            why = _fold_problem(name, g, group, seen, self.slots.frozen)
+            if why is None:
+                seen.add(group.number)
+                try:
+                    acc.fold(group.number, arrays.view(g))
+                except Exception as e:  # noqa: BLE001 - this rank's error at the next reduce, on every rank
+                    why = f"could not read gradient {name!r}: {type(e).__name__}: {e}"
+            if why is not None:
+                acc.error = acc.error or f"fold: {why}"
+                return
+
+    def measure(self, given: Sequence[Any]) -> list[bool]:
+        """Take the facts of the window's last gradients (``given``: checked, per slot); which slots this rank has (local)."""
+        acc = self.acc
+        for i, x in enumerate(given):
+            if x is not None:
+                try:
+                    acc.measure(i, x.view)
+                except Exception as e:  # noqa: BLE001 - this rank's error, agreed
+                    acc.error = acc.error or f"could not read gradient {x.name!r}: {type(e).__name__}: {e}"
+        return [x is not None or acc.present(i) for i, x in enumerate(given)]
+
+    def words(self, frame: np.ndarray) -> None:
+        """Write every slot's exact facts into this rank's window record."""
+        n = len(self.slots)
+        frame[self.base : self.base + n] = np.array([self.acc.word(i) for i in range(n)], np.uint64)
+
+    def facts(self, rows: Sequence[Sequence[int]]) -> tuple[exact.Facts, ...]:
+        """Every slot's agreed facts over the ranks with a weight; ContractError (every rank alike) where one would overflow."""
+        weighted = [r for r in rows if r[Window.WEIGHT]]
+        facts = tuple(exact.Facts([r[self.base + i] for r in weighted]) for i in range(len(self.slots)))
+        for group, f in zip(self.slots.groups, facts):
+            if f.overflow:
+                raise ContractError(
+                    f"exact reduction: the gradients of {group.name!r} span more than {exact.LIMIT} bits over this window's "
+                    f"{f.count} micro-batches (magnitudes from below 2**{f.top} down to quanta of 2**{f.quantum}), "
+                    "more than an int64 sum holds; fold fewer micro-batches per window, or reduce without exact=True"
+                )
+        return facts
+
+    def forget(self) -> None:
+        """Drop the window's folds (a refused window: the next one starts clean)."""
+        self.acc.clear()
+
+    def reduce(self, agreed: Any, comm: Any, chunk_bytes: int, operation: str) -> dict[str, Any]:
+        """Sum the integers over the ranks, write each result once converted (collective; ``agreed``: the core's Agreed).
+
+        Returns the results by the names the gradients came with (new zero
+        arrays, by head name, where this rank had none). Raises
+        CollectiveError if MPI fails; the folds are gone either way.
+        """
+        acc, facts = self.acc, agreed.exact
+        out: dict[str, Any] = {}
+        targets: list[Any] = [None] * len(self.slots)
+        for i, here in enumerate(agreed.present(len(self.slots))):
+            if here:
+                x, group = agreed.given[i], self.slots.groups[i]
+                g = arrays.zeros_like(group.param) if x is None else x.array
+                targets[i] = arrays.view(g) if x is None else x.view
+                out[group.name if x is None else x.name] = g
+        try:
+            reduce(
+                acc, facts, targets, agreed.weight > 0, agreed.global_weight, chunk_bytes // 8, comm.rank, comm.size,
+                lambda send, recv: comm.Reduce_scatter_block(send, recv, f"{operation}: Reduce_scatter_block (int64)"),
+                lambda b: comm.Allgather_in_place(b, f"{operation}: Allgather"),
+            )
+            if any(f.special for f in facts):
+                self._specials(facts, agreed.weight > 0, targets, comm, operation)
+        finally:
+            acc.clear()
+        return out
+
+    def _specials(self, facts: Sequence[exact.Facts], weighted: bool, targets: Sequence[Any], comm: Any, operation: str) -> None:
+        """inf and NaN: summed apart in float32 (no order either); they win over the finite sums as in a float sum."""
+        acc = self.acc
+        acc.take_specials()
+        for i, f in enumerate(facts):
+            if not f.special:
+                continue
+            kept = acc.special.get(i) if weighted else None
+            kept = np.zeros(acc.sizes[i], np.float32) if kept is None else kept
+            comm.Allreduce(kept, f"{operation}: Allreduce (not finite)")
+            if targets[i] is not None:
+                kept = kept.reshape(targets[i].shape)
+                np.copyto(targets[i], kept, where=kept != 0)
+
+
+def _fold_problem(name: str, g: Any, group: Any, seen: set[int], frozen: frozenset[str]) -> str | None:
+    """Why ``g`` cannot be folded as the gradient of ``name`` (its reduction slot ``group``), or None (local)."""
+    if group is None:
+        return f"gradient for {'frozen' if name in frozen else 'unknown'} parameter {name!r}"
+    if group.number in seen:
+        return f"two gradients for one tied array in one fold: {name!r} and another name of {group.name!r}"
+    info = arrays.describe(g)
+    if info is None or (info.shape, info.dtype, info.device) != (group.info.shape, group.info.dtype, group.info.device):
+        return f"gradient {name!r} ({info}) does not match its parameter ({group.info})"
+    return None
+
+
+def reduce(
+    acc: exact.Accumulator, facts: Sequence[exact.Facts], targets: Sequence[Any], weighted: bool, global_weight: int,
+    chunk: int, rank: int, size: int, scatter: Callable[[np.ndarray, np.ndarray], None], gather: Callable[[np.ndarray], None],
+) -> None:
+    """Sum the window's integers over the ranks and write each target's exact result (collective, after the agreement).
+
+    Chunk by chunk of ``chunk`` int64 values: pack at the agreed quanta
+    (zeros where this rank has no weight), ``scatter`` (a Reduce_scatter_block:
+    this rank's share summed), convert this rank's share to float32,
+    ``gather`` (an Allgather in place), write into ``targets`` (a host array
+    per globally present slot, else None). Every rank calls the same
+    collectives: ``chunk`` and the slots are agreed facts.
+    """
+    c = max(size, chunk // size * size)
+    stage = acc.stage(c, size)
+    later: dict[int, np.ndarray] = {}
+    for lo in range(0, acc.total, c):
+        hi = min(lo + c, acc.total)
+        width = -(-(hi - lo) // size) * size
+        send, part = stage.send[:width], width // size
+        if weighted:
+            acc.pack(lo, hi, facts, send[: hi - lo])
+            send[hi - lo :] = 0
+        else:
+            send[...] = 0
+        ints = send
+        if size > 1:
+            scatter(send, stage.shard[:part])
+            ints = stage.shard[:part]
+        mine_lo, mine_hi = min(hi, lo + rank * part), min(hi, lo + (rank + 1) * part)
+        floats = stage.floats[:width]
+        acc.unpack(mine_lo, mine_hi, facts, ints[: mine_hi - mine_lo], global_weight, floats[mine_lo - lo : mine_hi - lo])
+        if size > 1:
+            gather(floats)
+        _write(acc, lo, hi, floats, targets, later)
+    for i, values in later.items():
+        t = targets[i]
+        t[...] = values.reshape(t.shape)
+
+
+def _write(acc: exact.Accumulator, lo: int, hi: int, floats: np.ndarray, targets: Sequence[Any], later: dict[int, np.ndarray]) -> None:
+    """Copy the results of slot space ``[lo, hi)`` into the targets (whole-slot copies for targets not flat float32)."""
+    for i, a, b in acc.pieces(lo, hi):
+        t = targets[i]
+        if t is None:
+            continue
+        base = acc.starts[i]
+        if t.dtype == np.float32 and t.flags.c_contiguous:
+            t.reshape(-1)[a - base : b - base] = floats[a - lo : b - lo]
+        else:
+            later.setdefault(i, np.empty(acc.sizes[i], np.float32))[a - base : b - base] = floats[a - lo : b - lo]

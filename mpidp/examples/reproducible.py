@@ -1,0 +1,101 @@
+"""The same parameter bits at any world size: a small transformer trained with the exact reduction.
+
+Run: ``mpiexec -n N python -m mpi4py -m mpidp.examples.reproducible [--steps K] [--save FILE] [--resume FILE]``
+
+Every step trains on a fixed list of 12 micro-batches (made up from the
+step's number and the micro-batch's, nothing to download); micro-batch
+``i`` goes to rank ``i % N`` (:func:`mpidp.exact.shard`). Each rank folds
+each micro-batch's gradient into the window's exact integer sums
+(``dp.fold()``), and ``dp.reduce`` sums them over the ranks without an
+order (``exact=True``). The last line is ``sha256 <hex>`` of the final
+parameters: the same for every N, and after a resume from ``--save`` at
+any other N (the checkpoint is one file, written by rank 0: model,
+optimizer state and step; every rank reads it and the session broadcasts
+root's model). PyTorch runs on one thread per rank: the same kernels, the
+same bits (docs/reproducibility.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from mpi4py import MPI
+
+import mpidp.torch
+from mpidp.exact import shard
+from mpidp.examples import parse_args
+from mpidp.examples.charlm import IGNORE, VOCAB, CharLM, Language, batch
+
+MICRO_BATCHES = 12
+
+
+def digest(model: torch.nn.Module) -> str:
+    """SHA-256 of every parameter's bytes, in name order."""
+    h = hashlib.sha256()
+    for _, p in sorted(model.named_parameters()):
+        h.update(p.detach().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def micro_batch(lang: Language, seed: int, step: int, i: int, context: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Micro-batch ``i`` of step ``step``: a fact of the two numbers alone, not of the rank that draws it."""
+    rng = np.random.default_rng([seed, step, i])
+    return batch(rng, lang, 1 + int(rng.integers(3)), context)
+
+
+def main(argv: list[str] | None = None) -> str:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=5, help="optimizer steps in all (a resumed run included)")
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--context", type=int, default=48)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--save", type=Path, help="file for the checkpoint (written by rank 0 at the end)")
+    parser.add_argument("--resume", type=Path, help="checkpoint file to continue from")
+    parser.add_argument("--plain", action="store_true", help="the float32 reduction instead (its bits change with N)")
+    args = parse_args(parser, argv)
+    comm = MPI.COMM_WORLD
+    torch.set_num_threads(1)  # one thread: the same kernels on every rank, at every world size
+    torch.manual_seed(args.seed)
+    lang = Language()
+    model = CharLM(dim=32, layers=2, heads=4, context=args.context)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    start = 0
+    if args.resume is not None:  # every rank reads root's file; the session then broadcasts root's model anyway
+        state = torch.load(args.resume, weights_only=True)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        start = int(state["step"])
+    dp = mpidp.torch.DataParallel(model, comm, exact=not args.plain)
+    for step in range(start, args.steps):
+        tokens = 0
+        for i in shard(MICRO_BATCHES, dp.rank, dp.world_size):  # micro-batch i on rank i % N
+            x, y = micro_batch(lang, args.seed, step, i, args.context)
+            loss_sum = F.cross_entropy(model(x).view(-1, VOCAB), y.view(-1), ignore_index=IGNORE, reduction="sum")
+            loss_sum.backward()
+            if not args.plain:
+                dp.fold()  # this micro-batch's gradient, into the window's exact sums; .grad back to zero
+            tokens += int((y != IGNORE).sum())
+        dp.reduce(local_weight=tokens, step=step)  # .grad: the exact global token mean, the same bits at any N
+        optimizer.step()
+        dp.zero_grad()
+    dp.verify_replicas()
+    if args.save is not None and dp.rank == 0:
+        args.save.parent.mkdir(parents=True, exist_ok=True)
+        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": args.steps}, args.save)
+    dp.close()
+    comm.Barrier()  # the checkpoint is written before any rank reports
+    out = digest(model)
+    if comm.rank == 0:
+        how = "float32 (plain)" if args.plain else "exact"
+        print(f"reproducible: {args.steps} steps of {MICRO_BATCHES} micro-batches on {comm.size} rank(s), {how} reduction")
+        print(f"sha256 {out}", flush=True)
+    return out
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,179 @@
+"""The exact reduction, collective: the same bits as one process at every world size, and its errors on every rank.
+
+Serially a world of one; under ``mpiexec -n 4`` four ranks, and three and
+two split from them; on two simulated hosts in the multi-host step. Each
+result is compared with a session on ``COMM_SELF`` that folded every
+micro-batch itself: one process.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import first_ranks, same_error_everywhere
+from mpi4py import MPI
+
+import mpidp
+import mpidp.torch
+from mpidp import ContractError
+from mpidp.exact import shard
+from mpidp.examples.charlm import IGNORE, VOCAB, CharLM, Language, batch
+
+COUNT = 12  # micro-batches per window
+
+
+def params() -> dict[str, np.ndarray]:
+    return {"w": np.zeros((5, 7), np.float32), "b": np.zeros(3, np.float32), "h": np.zeros(9, np.float16)}
+
+
+def grads_of(i: int, step: int = 0) -> dict[str, np.ndarray]:
+    """Micro-batch ``i``'s gradients: a fact of ``(i, step)``, not of the rank."""
+    rng = np.random.default_rng([step, i])
+    scale = 10.0 ** rng.uniform(-2, 2)
+    return {k: (rng.standard_normal(v.shape) * scale).astype(v.dtype) for k, v in params().items()}
+
+
+def window(dp: Any, mine: Any, weight_per: int = 3, step: int = 0) -> dict[str, bytes]:
+    """Fold this rank's micro-batches but the last, reduce with the last; the results' bytes."""
+    mine = list(mine)
+    for i in mine[:-1]:
+        dp.fold(grads_of(i, step))
+    last = grads_of(mine[-1], step) if mine else {}
+    out = dp.reduce(last, weight_per * len(mine), mpidp.MissingGradientPolicy.ZERO)
+    return {k: np.ascontiguousarray(v).tobytes() for k, v in sorted(out.gradients.items())}
+
+
+def one_process(weight_per: int = 3, step: int = 0) -> dict[str, bytes]:
+    with mpidp.DataParallel.initialize(params(), MPI.COMM_SELF, exact=True) as dp:
+        return window(dp, range(COUNT), weight_per, step)
+
+
+@pytest.mark.parametrize("ranks", [None, 3, 2])
+def test_the_same_bits_as_one_process(comm: MPI.Comm, ranks: int | None) -> None:
+    expected = one_process()
+    with first_ranks(comm, ranks or comm.size) as sub:
+        if sub is None:
+            return
+        with mpidp.DataParallel.initialize(params(), sub, exact=True) as dp:
+            for step in range(2):  # a second window starts clean
+                got = window(dp, shard(COUNT, sub.rank, sub.size), step=step)
+                assert got == (expected if step == 0 else one_process(step=step)), f"rank {sub.rank} of {sub.size}"
+
+
+@pytest.mark.parametrize("chunk_bytes", [4096, 40960])
+def test_nor_on_the_chunk_size(comm: MPI.Comm, chunk_bytes: int) -> None:
+    """Calls of 512 and 5120 int64 values, and the default 4 MiB: the same bits (the 300-value slots straddle calls)."""
+    p = {f"p{i}": np.zeros(300 + 37 * i, np.float32) for i in range(20)}
+
+    def run(c: MPI.Comm, **options: Any) -> bytes:
+        with mpidp.DataParallel.initialize(p, c, exact=True, **options) as dp:
+            for i in shard(COUNT, c.rank, c.size):
+                rng = np.random.default_rng(i)
+                dp.fold({k: rng.standard_normal(v.shape).astype(np.float32) for k, v in p.items()})
+            out = dp.reduce({}, 7 * len(shard(COUNT, c.rank, c.size)), mpidp.MissingGradientPolicy.ZERO)
+            return b"".join(out.gradients[k].tobytes() for k in sorted(out.gradients))
+
+    assert run(comm, chunk_bytes=chunk_bytes) == run(MPI.COMM_SELF)
+
+
+def test_a_rank_of_weight_zero_adds_nothing_of_what_it_folded(comm: MPI.Comm) -> None:
+    expected = one_process()
+    with mpidp.DataParallel.initialize(params(), comm, exact=True) as dp:
+        mine = list(shard(COUNT, comm.rank, comm.size))
+        if comm.size > 1 and comm.rank == comm.size - 1:  # folds gradients, then says they had no tokens
+            dp.fold(grads_of(100))
+            out = dp.reduce(grads_of(101), 0, mpidp.MissingGradientPolicy.ZERO)
+            got = {k: np.ascontiguousarray(v).tobytes() for k, v in sorted(out.gradients.items())}
+            mine = []
+        else:
+            got = window(dp, [i for i in range(COUNT) if i % max(1, comm.size - 1) == comm.rank] if comm.size > 1 else mine)
+        assert got == expected
+
+
+def test_a_bad_fold_is_one_error_everywhere_and_the_next_window_is_clean(comm: MPI.Comm) -> None:
+    with mpidp.DataParallel.initialize(params(), comm, exact=True) as dp:
+        if comm.rank == comm.size - 1:
+            dp.fold({"w": np.zeros((7, 5), np.float32)})  # the wrong shape: no raise here, inside the loop
+        dp.fold(grads_of(50))
+        same_error_everywhere(comm, lambda: dp.reduce(grads_of(51), 1), ContractError, f"rank {comm.size - 1}: fold:", "'w'")
+        assert window(dp, shard(COUNT, comm.rank, comm.size)) == one_process()
+
+
+def test_a_slot_too_wide_for_int64_is_one_error_everywhere(comm: MPI.Comm) -> None:
+    with mpidp.DataParallel.initialize(params(), comm, exact=True) as dp:
+        g = grads_of(0)
+        g["b"] = np.full(3, 2.0**30 if comm.rank == 0 else 2.0**-30, np.float32)  # at one rank: spans 2**-30 to 2**30
+        if comm.size == 1:
+            dp.fold({"b": np.full(3, 2.0**-30, np.float32)})
+        same_error_everywhere(comm, lambda: dp.reduce(g, 1), ContractError, "exact reduction", "'b'", "int64")
+
+
+def test_inf_and_nan_on_one_rank_reach_every_rank(comm: MPI.Comm) -> None:
+    with mpidp.DataParallel.initialize(params(), comm, exact=True) as dp:
+        g = grads_of(comm.rank)
+        if comm.rank == comm.size - 1:
+            g["w"][0, 0], g["w"][1, 1] = np.inf, np.nan
+        out = dp.reduce(g, 1).gradients
+        assert out["w"][0, 0] == np.inf and np.isnan(out["w"][1, 1]) and np.isfinite(out["w"][2:]).all()
+        rows = comm.allgather(out["w"].tobytes())
+        assert all(r == rows[0] for r in rows)
+
+
+def test_every_rank_must_ask_for_it(comm: MPI.Comm) -> None:
+    if comm.size == 1:
+        pytest.skip("needs two ranks")
+    same_error_everywhere(
+        comm, lambda: mpidp.DataParallel.initialize(params(), comm, exact=comm.rank == 0), ContractError, "exact=True", "exact=False"
+    )
+
+
+def test_fold_needs_an_exact_session(dp: Any) -> None:
+    with pytest.raises(ContractError, match="exact=True"):
+        dp.fold({})
+
+
+# ------------------------------------------------------------------ PyTorch
+
+
+def train(comm: MPI.Comm, steps: int = 3, exact: bool = True) -> str:
+    """A small transformer, AdamW, ``steps`` steps of the same 12 micro-batches spread over ``comm``: its hash."""
+    torch.manual_seed(0)
+    lang = Language()
+    model = CharLM(dim=16, layers=1, heads=2, context=24)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with mpidp.torch.DataParallel(model, comm, exact=exact) as dp:
+            for step in range(steps):
+                tokens = 0
+                for i in shard(COUNT, dp.rank, dp.world_size):
+                    x, y = batch(np.random.default_rng([step, i]), lang, 2, 24)
+                    F.cross_entropy(model(x).view(-1, VOCAB), y.view(-1), ignore_index=IGNORE, reduction="sum").backward()
+                    dp.fold()
+                    tokens += int((y != IGNORE).sum())
+                dp.reduce(local_weight=tokens)
+                opt.step()
+                dp.zero_grad()
+    finally:
+        torch.set_num_threads(threads)
+    return hashlib.sha256(b"".join(p.detach().numpy().tobytes() for _, p in sorted(model.named_parameters()))).hexdigest()
+
+
+def test_a_transformer_trained_with_adamw_has_one_hash_at_every_world_size(comm: MPI.Comm) -> None:
+    expected = train(MPI.COMM_SELF)
+    for ranks in sorted({comm.size, 3, 2} & set(range(1, comm.size + 1))):
+        with first_ranks(comm, ranks) as sub:
+            if sub is not None:
+                assert train(sub) == expected, f"rank {sub.rank} of {ranks}"
+
+
+def test_exact_does_not_overlap_yet(comm: MPI.Comm) -> None:
+    same_error_everywhere(
+        comm, lambda: mpidp.torch.DataParallel(torch.nn.Linear(2, 2), comm, exact=True, overlap=True), ContractError, "exact=True"
+    )

@@ -26,7 +26,6 @@ import gradsets
 import pairs
 
 import mpidp
-from mpidp import packing
 
 COMM = MPI.COMM_WORLD
 
@@ -46,8 +45,7 @@ def main() -> None:
 
         torch.set_num_threads(1)
     else:
-        packing.TORCH_CASTS = False
-        packing.NUMBA_CASTS = None if a.casts == "numba" else False
+        os.environ["MPIDP_CASTS"] = a.casts  # read by initialize (this checkout's sessions; an older mpidp ignores it)
     _, layout = gradsets.shapes(a.set)
     params = {n: np.zeros(s, gradsets.dtype_of(a.mix, s)) for n, s in layout}
     sessions: dict[str, tuple[mpidp.DataParallel, dict[str, Any]]] = {}

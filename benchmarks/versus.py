@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import os
 import re
 import subprocess
 import sys
@@ -43,7 +44,6 @@ import gradsets
 import pairs
 
 import mpidp
-from mpidp import packing
 
 COMM = MPI.COMM_WORLD
 ROOT = Path(__file__).resolve().parent.parent
@@ -116,8 +116,7 @@ def main(argv: list[str] | None = None) -> int:
 
         torch.set_num_threads(1)  # one core per rank, as for MPI
     else:
-        packing.TORCH_CASTS = False
-        packing.NUMBA_CASTS = None if a.casts == "numba" else False
+        os.environ["MPIDP_CASTS"] = a.casts  # read by initialize (this checkout's sessions; an older mpidp ignores it)
     with tempfile.TemporaryDirectory(prefix="mpidp-versus-") as tmp:
         old = extract(a.rev, Path(tmp))
         rows = []

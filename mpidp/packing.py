@@ -307,22 +307,23 @@ def run_steps(
         moves = Moves(moves)
     allreduce, reduce_scatter, allgather = moves
     by = divisor(scale)
+    upcast, downcast = casts.upcast, casts.downcast
     scratch: list[np.ndarray] = []
     for buf, pieces, gather, mine, shard, back, pad in work:
         for piece, src in pieces:
-            casts.upcast(piece, src)
+            upcast(piece, src)
         if gather is None:
             allreduce(buf)
             if not pieces:
-                by(buf, buf)
+                by.ufunc(buf, by.operand, out=buf)
             for piece, dst in pieces:
-                casts.downcast(dst, piece, by, scratch)
+                downcast(dst, piece, by, scratch)
             continue
         if pad:
             buf[buf.size - pad :] = 0
         assert reduce_scatter is not None and allgather is not None and mine is not None and shard is not None
         reduce_scatter(buf, shard)
-        casts.downcast(mine, shard, by, scratch)  # the owner divides its share and casts it, once
+        downcast(mine, shard, by, scratch)  # the owner divides its share and casts it, once
         allgather(gather.view(np.uint8))
         for piece, dst in back:
             np.copyto(dst, piece)

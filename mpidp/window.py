@@ -98,6 +98,10 @@ class Accepted(NamedTuple):
     own: Given | None  # its Given, when it is mpidp's own flat storage (the session holds it anyway)
 
 
+#: what ``accepted.get`` gives a name that is not there: its reference is dead, so nothing matches it
+_NOT_ACCEPTED: Accepted = Accepted(lambda: None, (), -1, None)
+
+
 class Program(NamedTuple):
     """The cut host steps of a window on the same arrays as the window before (:class:`Cache`)."""
 
@@ -238,13 +242,14 @@ def _accepted_again(
         return False
     fingerprint = arrays.fingerprint
     for name, g in grads.items():
-        entry = accepted.get(name)
-        if entry is None or entry.ref() is not g or fingerprint(g) != entry.fingerprint:
+        # unpacked, not read by field name: a field read costs more than an index (every window, every gradient)
+        entry: Accepted = accepted.get(name, _NOT_ACCEPTED)
+        ref, taken, number, own = entry
+        if ref() is not g or fingerprint(g) != taken:
             given[:] = [None] * len(given)
             return False
-        if kept is None:
-            own = entry.own  # mpidp's own flat storage, unchanged since its fingerprint was taken
-            given[entry.number] = own if own is not None else Given(name, g, arrays.view(g), None)
+        if kept is None:  # ``own``: mpidp's own flat storage, unchanged since its fingerprint was taken
+            given[number] = own if own is not None else Given(name, g, arrays.view(g), None)
     if kept is not None:
         given[:] = kept
     return True

@@ -117,7 +117,7 @@ def cast_strategy() -> tuple[Casts, str | None]:
     ``NUMBA_CASTS``) are no longer read: a process that still sets them is told so.
     """
     if any(getattr(packing, name, None) is not None for name in ("TORCH_CASTS", "NUMBA_CASTS")):
-        warnings.warn("mpidp.packing.TORCH_CASTS and NUMBA_CASTS are no longer read: set MPIDP_CASTS=numba or numpy", stacklevel=2)
+        warnings.warn("mpidp.packing.TORCH_CASTS and NUMBA_CASTS are no longer read: set MPIDP_CASTS=numba or numpy", stacklevel=4)
     raw = os.environ.get("MPIDP_CASTS", "auto")
     mode = raw.strip().lower() or "auto"
     if mode in MODES:

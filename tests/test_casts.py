@@ -145,3 +145,18 @@ def test_without_numba_the_numpy_casts_serve(monkeypatch: pytest.MonkeyPatch) ->
     with pytest.warns(UserWarning, match="compiled 16-bit casts unavailable"):
         _downcast(Casts("numba"), a, 1)  # asked for by name: told why not
     assert a.tobytes() == expected.tobytes()
+
+
+def test_a_session_reads_its_strategy_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """MPIDP_CASTS (initialize reads it through checks.cast_strategy); the removed module switches are named when set."""
+    from mpidp import checks, packing
+
+    monkeypatch.delenv("MPIDP_CASTS", raising=False)
+    assert checks.cast_strategy() == (Casts("auto"), None)
+    monkeypatch.setenv("MPIDP_CASTS", " NumPy ")
+    assert checks.cast_strategy() == (Casts("numpy"), None)
+    monkeypatch.setenv("MPIDP_CASTS", "torch")
+    assert checks.cast_strategy() == (casts.DEFAULT, "MPIDP_CASTS must be one of auto, numba, numpy, got 'torch'")
+    monkeypatch.setattr(packing, "NUMBA_CASTS", False, raising=False)  # an earlier release's switch, set by a user
+    with pytest.warns(UserWarning, match="NUMBA_CASTS are no longer read: set MPIDP_CASTS=numba or numpy"):
+        checks.cast_strategy()

@@ -172,7 +172,7 @@ class Casts:
         ``scratch``: one sub-block of uint32, allocated on first use and kept
         by the caller across segments.
         """
-        divide, operand = by.ufunc, by.operand
+        divide, operand, multiply = by
         if dst.dtype == np.float32:
             divide(src, operand, out=dst)
             return
@@ -184,7 +184,7 @@ class Casts:
         kernels = self._kernels(src, dst)
         if kernels is not None:  # the division and the cast in one pass
             cast = kernels.f32_to_f16 if dst.dtype == np.float16 else kernels.f32_to_bf16
-            cast(src, dst.view(np.uint16), operand, by.multiply)
+            cast(src, dst.view(np.uint16), operand, multiply)
         elif dst.dtype == BFLOAT16 and src.size >= MIN_BITS:
             if not scratch:
                 scratch.append(np.empty(BLOCK, np.uint32))

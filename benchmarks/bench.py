@@ -57,6 +57,7 @@ import report
 
 import mpidp
 from mpidp import packing
+from mpidp.casts import Casts
 from mpidp.packing import DEFAULT_CHUNK_BYTES
 
 COMM = MPI.COMM_WORLD
@@ -625,7 +626,7 @@ def bench_reduce(
                 other_key = f"mpidp_{mix}_{kind}_{other}_casts{suffix}"
                 if not want(other_key):
                     continue
-                with cast_settings(**settings):
+                with cast_settings(dp, settings):
                     res = paired(limit, fn, reps, warmup, inner, reset, zero_limit)
                 record(other_key, f"mpidp reduce {mix}, {short}, {CAST_NAMES[other]} casts{how}", "allreduce", res)
             del grads, fn, reset
@@ -738,45 +739,41 @@ def huge_pages() -> dict[str, str | None]:
     return {"transparent_hugepage": mode, "NUMPY_MADVISE_HUGEPAGE": os.environ.get("NUMPY_MADVISE_HUGEPAGE")}
 
 
-#: who casts 16-bit host values in mpidp (mpidp.packing): torch's kernels, mpidp.kernels (numba), NumPy / ml_dtypes
+#: who casts 16-bit host values in mpidp (mpidp.casts): torch's kernels, mpidp.kernels (numba), NumPy / ml_dtypes
 CAST_NAMES = {"torch": "torch", "numba": "numba", "numpy": "NumPy"}
 
 
 def numba_casts() -> bool:
     """Whether mpidp.kernels (numba) can serve this process."""
-    return packing.NUMBA_CASTS is not False and packing._kernels_for(np.empty(1 << 12, np.float16), np.empty(1 << 12, np.float32)) is not None
+    return Casts("numba").fastest() == "numba"
 
 
 def casts() -> str:
-    """Whose 16-bit casts mpidp uses in this process (see mpidp.packing.TORCH_CASTS and NUMBA_CASTS)."""
-    if "torch" in sys.modules and packing.TORCH_CASTS is not False:
-        return "torch"
-    return "numba" if numba_casts() else "numpy"
+    """Whose 16-bit casts a session mpidp makes in this process uses (``MPIDP_CASTS``, mpidp.casts.Casts)."""
+    return Casts(os.environ.get("MPIDP_CASTS", "auto").strip().lower() or "auto").fastest()
 
 
-def other_casts(mix: str) -> list[tuple[str, dict[str, Any]]]:
-    """The casts a process without torch (numba), and one without either (NumPy), would use, if not this one's."""
+def other_casts(mix: str) -> list[tuple[str, str]]:
+    """The casts a process without torch (numba), and one without either (NumPy), would use, if not this one's: (name, mode)."""
     if mix == "fp32":
         return []
-    out: list[tuple[str, dict[str, Any]]] = []
+    out: list[tuple[str, str]] = []
     if casts() == "torch" and numba_casts():
-        out.append(("numba", {"TORCH_CASTS": False}))
+        out.append(("numba", "numba"))
     if casts() != "numpy":
-        out.append(("numpy", {"TORCH_CASTS": False, "NUMBA_CASTS": False}))
+        out.append(("numpy", "numpy"))
     return out
 
 
 @contextlib.contextmanager
-def cast_settings(**settings: Any) -> Iterator[None]:
-    """Set mpidp.packing's cast switches for the block."""
-    before = {k: getattr(packing, k) for k in settings}
-    for k, v in settings.items():
-        setattr(packing, k, v)
+def cast_settings(dp: mpidp.DataParallel, mode: str) -> Iterator[None]:
+    """Give session ``dp`` the 16-bit casts of ``mode`` (an MPIDP_CASTS value) for the block (its private transport)."""
+    before = dp._transport
+    dp._transport = before._replace(casts=Casts(mode))
     try:
         yield
     finally:
-        for k, v in before.items():
-            setattr(packing, k, v)
+        dp._transport = before
 
 
 def torch_available() -> bool:

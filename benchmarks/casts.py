@@ -3,7 +3,7 @@
 For each cast (bfloat16 and float16, up to float32 and down from it, the
 downcast with the division by the global weight mpidp does before it), the
 casts a process can get: NumPy / ml_dtypes (``astype``), mpidp's NumPy bit
-arithmetic (:mod:`mpidp.packing`, what it uses without numba), the compiled
+arithmetic (:mod:`mpidp.casts`, what it uses without numba), the compiled
 kernels of :mod:`mpidp.kernels` (numba) and torch's. Every way is timed in
 rotating order within each round; the table gives medians and the ratio
 to torch's, whose whole cast is the yardstick (issue 20: within 1.2x).
@@ -26,7 +26,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from mpidp import packing
+from mpidp import casts as room
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
@@ -48,28 +48,29 @@ def ways(n: int, torch: Any) -> dict[str, dict[str, Callable[[], object]]]:
     x = rng.standard_normal(n).astype(np.float32) * np.float32(3)
     h, b = x.astype(np.float16), x.astype(BF16)
     out, out16, outb = np.empty(n, np.float32), np.empty(n, np.float16), np.empty(n, BF16)
-    scratch = np.empty(packing._BLOCK, np.uint32)
+    scratch = np.empty(room.BLOCK, np.uint32)
     w = np.float32(3)  # a global weight that is not a power of two: a real division
     table: dict[str, dict[str, Callable[[], object]]] = {
         "bfloat16 -> float32": {
             "NumPy / ml_dtypes": lambda: np.copyto(out, b),
-            "mpidp bit arithmetic": lambda: packing._bf16_to_f32(b, out),
+            "mpidp bit arithmetic": lambda: room.bf16_to_f32(b, out),
         },
         "float16 -> float32": {
             "NumPy / ml_dtypes": lambda: np.copyto(out, h),
-            "mpidp bit arithmetic": lambda: packing._f16_to_f32(h, out),
+            "mpidp bit arithmetic": lambda: room.f16_to_f32(h, out),
         },
         "float32 / w -> bfloat16": {
             "NumPy / ml_dtypes": lambda: np.copyto(outb, x / w),
-            "mpidp bit arithmetic": lambda: packing._f32_to_bf16(np.divide(x, w, out=out), outb, scratch),
+            "mpidp bit arithmetic": lambda: room.f32_to_bf16(np.divide(x, w, out=out), outb, scratch),
         },
         "float32 / w -> float16": {
             "NumPy / ml_dtypes": lambda: np.divide(x, w, out=out16, casting="unsafe"),
             "mpidp bit arithmetic": lambda: np.divide(x, w, out=out16, casting="unsafe"),  # mpidp keeps NumPy's here
         },
     }
-    kernels = packing._kernels_for(h, out)
-    if kernels is not None:
+    if room.Casts("numba").fastest() == "numba":  # numba installed and its kernels loaded
+        from mpidp import kernels
+
         table["bfloat16 -> float32"]["mpidp.kernels (numba)"] = lambda: kernels.bf16_to_f32(b.view(np.uint16), out.view(np.uint32))
         table["float16 -> float32"]["mpidp.kernels (numba)"] = lambda: kernels.f16_to_f32(h.view(np.uint16), out)
         table["float32 / w -> bfloat16"]["mpidp.kernels (numba)"] = lambda: kernels.f32_to_bf16(x, outb.view(np.uint16), w, False)

@@ -50,7 +50,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gradsets
 
 import mpidp
-from mpidp import packing
 
 COMM = MPI.COMM_WORLD
 ROOT = Path(__file__).resolve().parent.parent
@@ -156,8 +155,7 @@ def use_casts(casts: str) -> None:
 
         torch.set_num_threads(1)  # one core per rank, as for MPI
     else:
-        packing.TORCH_CASTS = False
-        packing.NUMBA_CASTS = None if casts == "numba" else False
+        os.environ["MPIDP_CASTS"] = casts  # read by initialize (this checkout's sessions; an older mpidp ignores it)
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:

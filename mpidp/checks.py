@@ -9,18 +9,20 @@ from __future__ import annotations
 
 import numbers
 import os
+import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
 from . import contract, cuda, layout, packing
+from .casts import DEFAULT, MODES, Casts
 from .records import Setup
 
 if TYPE_CHECKING:
     from .comm import Communicator
 
-__all__ = ["NO_REGIONS", "ByteRegions", "Found", "chunk_buffers", "on_host", "setup"]
+__all__ = ["NO_REGIONS", "ByteRegions", "Found", "cast_strategy", "chunk_buffers", "on_host", "setup"]
 
 
 class ByteRegions(NamedTuple):
@@ -45,6 +47,7 @@ class Found(NamedTuple):
     stage: Any
     gpu: cuda.Device | None
     scatter: packing.Scatter | None = None  # host reduce-scatter buffers, where the agreed mode may use them
+    casts: Casts = DEFAULT  # this rank's 16-bit casts (``MPIDP_CASTS``; local: every way gives the same bits)
 
 
 def setup(
@@ -75,7 +78,8 @@ def setup(
         chunk_bytes = 0
     chunk = int(chunk_bytes) // 4 * 4
     reduction, why = reduction_mode()
-    error = error or why
+    casts, why_casts = cast_strategy()
+    error = error or why or why_casts
     exact = options.get("exact", False)
     if not isinstance(exact, bool):
         error = error or f"exact must be True or False, got {exact!r}"
@@ -94,7 +98,7 @@ def setup(
     heads = [a for i, (e, a) in enumerate(zip(found.contract, found.arrays)) if e.alias == i]
     runs = layout.runs(heads, found.device) if error is None else None
     setup = Setup(found.contract, int(root), chunk, on_host(found), runs, regions.entries, reduction, exact is True)
-    return Found(setup, error, found, aware, stage, gpu, scatter)
+    return Found(setup, error, found, aware, stage, gpu, scatter, casts)
 
 
 def reduction_mode() -> tuple[str, str | None]:
@@ -108,6 +112,22 @@ def reduction_mode() -> tuple[str, str | None]:
     if mode in packing.REDUCTIONS:
         return mode, None
     return "auto", f"MPIDP_REDUCTION must be one of {', '.join(packing.REDUCTIONS)}, got {raw!r}"
+
+
+def cast_strategy() -> tuple[Casts, str | None]:
+    """This rank's 16-bit casts from ``MPIDP_CASTS`` (default ``auto``), and why the value is invalid, or None (local).
+
+    Not agreed: every way gives the same bits (NaN payloads aside). The
+    module switches of earlier releases (``mpidp.packing.TORCH_CASTS`` and
+    ``NUMBA_CASTS``) are no longer read: a process that still sets them is told so.
+    """
+    if any(getattr(packing, name, None) is not None for name in ("TORCH_CASTS", "NUMBA_CASTS")):
+        warnings.warn("mpidp.packing.TORCH_CASTS and NUMBA_CASTS are no longer read: set MPIDP_CASTS=numba or numpy", stacklevel=4)
+    raw = os.environ.get("MPIDP_CASTS", "auto")
+    mode = raw.strip().lower() or "auto"
+    if mode in MODES:
+        return Casts(mode), None
+    return DEFAULT, f"MPIDP_CASTS must be one of {', '.join(MODES)}, got {raw!r}"
 
 
 def chunk_buffers(device: str, chunk_bytes: int, cuda_aware: bool) -> tuple[Any, cuda.Device | None]:

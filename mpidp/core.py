@@ -97,7 +97,7 @@ class DataParallel:
         self._root = local.setup.root
         self._chunk_bytes = local.setup.chunk_bytes
         self._watchdog = watchdog
-        self._transport = Transport(comm, local.stage, local.gpu, local.scatter)
+        self._transport = Transport(comm, local.stage, local.gpu, local.scatter, local.casts)
         #: (name, array, signature) per entry: what _check_replica compares every window
         self._replica = tuple(zip((e.name for e in found.contract), found.arrays, map(arrays.signature, found.arrays)))
         #: contract indices of every tie-group head (frozen ones included): what is broadcast and verified

@@ -16,16 +16,15 @@ import ctypes
 import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 from mpi4py import MPI
 
-from .errors import ContractError
+from .casts import Divisor, divisor
+from .comm import Communicator
 from .packing import Call, direct, write_back
-
-if TYPE_CHECKING:
-    from .comm import Communicator
+from .records import Frame, agree
 
 #: the public names; :class:`Device`, :class:`Staging` and :func:`wait_for_torch` are the sessions' (internal)
 __all__ = ["decide", "detect", "local_rank", "select_device"]
@@ -124,11 +123,11 @@ def select_device(comm: MPI.Comm | None = None, device: int | None = None) -> in
         index = _select(None, rank)
     except Exception as e:  # noqa: BLE001 - agreed below, raised on every rank alike
         error = str(e) if isinstance(e, RuntimeError) and str(e).startswith("select_device") else f"{type(e).__name__}: {e}"
-    failed = [(r, why) for r, why in enumerate(comm.allgather(error)) if why is not None]
-    if failed:
-        r, why = failed[0]
-        more = f" (and {len(failed) - 1} more rank{'s' if len(failed) > 2 else ''})" if len(failed) > 1 else ""
-        raise ContractError(f"rank {r}{more}: {why}")
+    private = Communicator(comm)  # a duplicate: the agreement's traffic never matches the caller's
+    try:
+        agree(private, Frame(0).new(0), error, "select_device")  # kind 0: the duplicate carries this one exchange
+    finally:
+        private.close()
     return index
 
 
@@ -216,8 +215,9 @@ class Device:
         """
         import cupy
 
+        by = divisor(scale)
         if self.staging is not None:
-            _reduce_staged(calls, slots, self.staging, lambda b: comm.Allreduce(b, operation), np.float32(scale), cupy)
+            _reduce_staged(calls, slots, self.staging, lambda b: comm.Allreduce(b, operation), by, cupy)
             return
         stream = cupy.cuda.get_current_stream()
 
@@ -225,7 +225,7 @@ class Device:
             stream.synchronize()  # MPI reads the buffer: the kernels that wrote it are done
             comm.Allreduce(b, operation)
 
-        _reduce_device(calls, slots, self.stage, allreduce, np.float32(scale), cupy)
+        _reduce_device(calls, slots, self.stage, allreduce, by, cupy)
 
 
 def wait_for_torch() -> None:
@@ -257,7 +257,15 @@ class Staging(NamedTuple):
     Two chunk-sized float32 stages on the device and two in pinned host
     memory, used in turn, the stream the copies between them run on, and
     the events that order the streams (reused: a wait takes the event as it
-    was last recorded when the wait is queued).
+    was last recorded when the wait is queued). The only order between the
+    two streams is events:
+
+    * a copy down waits for everything queued on the current stream before
+      (the gradients, the zeroing of weight-0 ranks, the packing);
+    * MPI waits (on the host) for its buffer's copy down;
+    * the division and cast back wait for the copy up;
+    * buffer ``i % 2`` is reused by call ``i + 2`` only after call ``i``'s
+      copy up (same copy stream) and cast back (same current stream).
     """
 
     stages: tuple[Any, Any]  # CuPy float32 arrays of one chunk each
@@ -287,7 +295,7 @@ def _reduce_device(
     slots: Sequence[Any],
     stage: Any,
     allreduce: Callable[[Any], None],
-    scale: np.float32,
+    by: Divisor,
     xp: Any,
 ) -> None:
     """:func:`reduce_calls` for device (CuPy) arrays: cast and scale on the device."""
@@ -295,12 +303,12 @@ def _reduce_device(
         region = direct(call, slots, 4)
         if region is not None:
             allreduce(region)
-            xp.divide(region, scale, out=region)
+            by(region, region, xp)
             continue
         buf = stage[: call.length]
         _gather(buf, call, slots)
         allreduce(buf)
-        xp.divide(buf, scale, out=buf)
+        by(buf, buf, xp)
         _scatter(buf, call, slots)
     write_back(slots)
     xp.cuda.get_current_stream().synchronize()  # the results are ready for any stream (torch's too) and the host
@@ -311,66 +319,63 @@ def _reduce_staged(
     slots: Sequence[Any],
     staging: Staging,
     allreduce: Callable[[np.ndarray], None],
-    scale: np.float32,
+    by: Divisor,
     xp: Any,
 ) -> None:
     """:func:`reduce_calls` for device arrays and an MPI that is not CUDA-aware: a two-deep pipeline.
 
     Call ``i`` is packed (upcast) into device stage ``i % 2``, or is a direct
     region of the gradients, and copied down into pinned buffer ``i % 2`` on
-    the copy stream. While the host sums call ``i`` in MPI, call ``i + 1``'s
-    copy down runs, and call ``i - 1``'s copy up, division and cast back
-    run behind it. The only order between the two streams is events:
-
-    * a copy down waits for everything queued on the current stream before
-      (the gradients, the zeroing of weight-0 ranks, the packing);
-    * MPI waits (on the host) for its buffer's copy down;
-    * the division and cast back wait for the copy up;
-    * buffer ``i % 2`` is reused by call ``i + 2`` only after call ``i``'s
-      copy up (same copy stream) and cast back (same current stream).
-
-    The current stream is synchronised at the end, so the results are
-    ready for any stream and for the host when this returns, as with the
-    CUDA-aware loop; so is the copy stream when a call fails, so that no
-    copy is left running into buffers that are given back. The caller makes
-    the arrays' device current and waits for torch's stream first.
+    the copy stream (:func:`_copy_down`). While the host sums call ``i`` in
+    MPI, call ``i + 1``'s copy down runs, and call ``i - 1``'s copy up,
+    division and cast back run behind it, ordered by events only
+    (:class:`Staging`). The current stream is synchronised at the end, so
+    the results are ready for any stream and for the host when this
+    returns, as with the CUDA-aware loop; so is the copy stream when a call
+    fails, so that no copy is left running into buffers that are given
+    back. The caller makes the arrays' device current and waits for torch's stream first.
     """
     current = xp.cuda.get_current_stream()
-    copies = staging.stream
-    down, packed, up = staging.events[:2], staging.events[2], staging.events[3]
-    regions: list[Any] = [None] * len(calls)  # what call i sums: a direct region of the slots, or a stage
-    staged = [False] * len(calls)
-
-    def copy_down(i: int) -> None:
-        call = calls[i]
-        region: Any = direct(call, slots, 4)
-        if region is None:
-            region, staged[i] = staging.stages[i % 2][: call.length], True
-            _gather(region, call, slots)
-        regions[i] = region
-        current.record(packed)
-        copies.wait_event(packed)
-        region.get(stream=copies, out=staging.pinned[i % 2][: call.length], blocking=False)
-        copies.record(down[i % 2])
-
+    copies, up = staging.stream, staging.events[3]
+    regions: list[Any] = [None] * len(calls)  # per call: (what it sums: a direct region of the slots or a stage, staged)
     try:
         if calls:
-            copy_down(0)
+            regions[0] = _copy_down(0, calls, slots, staging, current)
         for i, call in enumerate(calls):
-            if i + 1 < len(calls):
-                copy_down(i + 1)  # buffers (i + 1) % 2: call i - 1's copy up and cast back are queued before
+            if i + 1 < len(calls):  # buffers (i + 1) % 2: call i - 1's copy up and cast back are queued before
+                regions[i + 1] = _copy_down(i + 1, calls, slots, staging, current)
             host = staging.pinned[i % 2][: call.length]
-            down[i % 2].synchronize()
+            staging.events[i % 2].synchronize()
             allreduce(host)
-            region = regions[i]
+            region, staged = regions[i]
             region.set(host, stream=copies)
             copies.record(up)
             current.wait_event(up)
-            xp.divide(region, scale, out=region)
-            if staged[i]:
+            by(region, region, xp)
+            if staged:
                 _scatter(region, call, slots)
         write_back(slots)
         current.synchronize()
     except BaseException:
         copies.synchronize()
         raise
+
+
+def _copy_down(i: int, calls: Sequence[Call], slots: Sequence[Any], staging: Staging, current: Any) -> tuple[Any, bool]:
+    """Pack call ``i`` into device stage ``i % 2`` (or take its direct region), queue its copy into pinned buffer ``i % 2``.
+
+    Returns what the call sums on the device, and whether it was packed
+    (its values are then cast back into the slots).
+    """
+    call = calls[i]
+    region: Any = direct(call, slots, 4)
+    staged = region is None
+    if staged:
+        region = staging.stages[i % 2][: call.length]
+        _gather(region, call, slots)
+    copies, packed = staging.stream, staging.events[2]
+    current.record(packed)
+    copies.wait_event(packed)
+    region.get(stream=copies, out=staging.pinned[i % 2][: call.length], blocking=False)
+    copies.record(staging.events[i % 2])
+    return region, staged

@@ -1,6 +1,6 @@
 """Compiled 16-bit casts for host arrays, for processes without torch (numba; optional: ``pip install mpidp[numba]``).
 
-Imported by :mod:`mpidp.packing` on the first cast that can use it, only
+Imported by :mod:`mpidp.casts` on the first cast that can use it, only
 when numba is installed. Each kernel is one pass over the values, compiled
 by LLVM for this machine's vector unit (float16 through the processor's
 own conversion instructions where it has them, F16C on x86-64): measured on

@@ -10,15 +10,14 @@ copies parameters into the same kind of storage.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from . import arrays
 from .packing import Slot, plan, slot
 
-__all__ = ["FlatGradients", "crc_bytes", "flat_parameters", "overlap", "region", "runs", "strided_bounds"]
-
+__all__ = ["FlatGradients", "Prepared", "crc_bytes", "flat_parameters", "overlap", "region", "runs", "strided_bounds"]
 
 
 def strided_bounds(address: int, shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int) -> tuple[int, int]:
@@ -114,12 +113,21 @@ def crc_bytes(v: Any) -> memoryview:
     return memoryview(data)
 
 
+class Prepared(NamedTuple):
+    """One persistent gradient as the reduce window takes it, built once."""
+
+    array: Any  # the gradient array handed to the caller
+    fingerprint: tuple[Any, ...]  # :func:`mpidp.arrays.fingerprint` of ``array`` when it was made
+    view: Any  # NumPy or CuPy view of ``array``
+    slot: Slot  # the chunk loop's description of ``view``
+
+
 class FlatGradients:
     """Persistent gradient arrays, one per reduction slot, views into one flat buffer per dtype.
 
     Laid out in the order the full reduce plan moves them, so that reducing
-    them needs no packing. ``slots[i]`` is ``(array, fingerprint, view, Slot)``
-    of reduction slot ``i``: a gradient that is that array, unchanged, is
+    them needs no packing. ``slots[i]`` is the :class:`Prepared` record of
+    reduction slot ``i``: a gradient that is that array, unchanged, is
     reduced through the Slot built here once.
     """
 
@@ -137,7 +145,7 @@ class FlatGradients:
         #: dtype -> flat storage
         self.flat = {d: arrays.flat_zeros(first[d], n) for d, n in totals.items()}
         self.arrays: list[Any] = []
-        self.slots: dict[int, tuple[Any, tuple[Any, ...], Any, Slot]] = {}
+        self.slots: dict[int, Prepared] = {}
         for index, info in enumerate(infos):
             if index in offsets:
                 dtype, start = offsets[index]
@@ -146,17 +154,17 @@ class FlatGradients:
                 g = arrays.zeros_like(likes[index])
             self.arrays.append(g)
             v = arrays.view(g)
-            self.slots[index] = (g, arrays.fingerprint(g), v, slot(v))
+            self.slots[index] = Prepared(g, arrays.fingerprint(g), v, slot(v))
 
     def zero(self) -> None:
         """Set every gradient to zero (one fill per dtype)."""
         for flat in self.flat.values():
             arrays.view(flat)[...] = 0
 
-    def prepared(self, index: int, g: Any) -> tuple[Any, tuple[Any, ...], Any, Slot] | None:
+    def prepared(self, index: int, g: Any) -> Prepared | None:
         """The prepared view and Slot of ``g`` if it is slot ``index``'s array, unchanged."""
         entry = self.slots.get(index)
-        return entry if entry is not None and entry[0] is g and arrays.fingerprint(g) == entry[1] else None
+        return entry if entry is not None and entry.array is g and arrays.fingerprint(g) == entry.fingerprint else None
 
 
 def flat_parameters(params: Mapping[str, Any]) -> dict[str, Any]:

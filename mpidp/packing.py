@@ -5,23 +5,22 @@ A plan is a function of the contract and of what every rank agreed on
 same sequence of collectives with the same counts. Locally each call is
 then either *direct* (the chunk already lies in one contiguous float32
 region: reduce it in place, no copy) or *staged* (upcast into a reusable
-chunk-sized float32 buffer, reduce, scale, cast back).
+chunk-sized float32 buffer, reduce, scale, cast back). How a segment is
+cast, and the division by the global weight, are :mod:`mpidp.casts`'.
 """
 
 from __future__ import annotations
 
-import math
-import sys
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
 
 from . import arrays
+from .casts import DEFAULT, Casts, divisor
 
 __all__ = [
-    "BCAST_OWN_BYTES", "BCAST_SPLIT_BYTES", "DEFAULT_CHUNK_BYTES", "NUMBA_CASTS", "REDUCTIONS", "SCATTER_MIN", "SCATTER_MIN_FP32", "TORCH_CASTS", "Call", "Moves",
+    "BCAST_OWN_BYTES", "BCAST_SPLIT_BYTES", "DEFAULT_CHUNK_BYTES", "REDUCTIONS", "SCATTER_MIN", "SCATTER_MIN_FP32", "Call", "Moves",
     "Scatter", "Segment", "Slot", "Step", "bcast_calls", "direct", "plan", "reduce_calls", "reduce_scatter_for", "run_steps",
     "slot", "steps", "write_back",
 ]
@@ -165,211 +164,6 @@ def _fits(s: Slot, dtype: np.dtype) -> bool:
     return s.flat.dtype == dtype and (s.float32 or dtype != np.float32)
 
 
-#: Elements per sub-block of the host conversion loops: small enough that a
-#: sub-block and its scratch stay in a core's L2 cache between passes.
-_BLOCK = 1 << 16
-#: Shorter bfloat16 segments use ml_dtypes' cast (one call) instead of the
-#: integer passes below (several calls, each faster per element).
-_FAST_BF16 = 1 << 13
-
-
-def _scaler(scale: float) -> tuple[Callable[..., Any], np.float32]:
-    """Return ``(ufunc, operand)`` that divides by ``float32(scale)``, bitwise equal to ``x / float32(scale)``.
-
-    A power of two is a multiplication by its (exact) reciprocal: both are
-    the correctly rounded value of the same real number, subnormal results
-    included, and a multiplication is several times cheaper than a division.
-    """
-    f = np.float32(scale)
-    mantissa, exponent = math.frexp(float(f))  # f == mantissa * 2**exponent
-    if mantissa == 0.5 and -125 <= exponent <= 127:  # 2**k with k and -k normal exponents
-        return np.multiply, np.float32(2.0 ** (1 - exponent))
-    return np.divide, f
-
-
-def _bf16_to_f32(src: np.ndarray, dst: np.ndarray) -> None:
-    """Upcast bfloat16 ``src`` into float32 ``dst``: the bits shifted into the high half (exact)."""
-    s16, d32 = src.view(np.uint16), dst.view(np.uint32)
-    for lo in range(0, s16.size, _BLOCK):
-        d = d32[lo : lo + _BLOCK]
-        np.copyto(d, s16[lo : lo + _BLOCK])
-        np.left_shift(d, 16, out=d)
-
-
-#: Elements per sub-block of the float16 upcast (measured best of 2**12 to 2**16 on the development machine).
-_BLOCK16 = 1 << 14
-#: float16 magnitude bits moved to float32's place, from exponent 31 (infinity, NaN) up
-_F16_SPECIAL = np.uint32(0x1F << 23)
-
-
-def _f16_to_f32(src: np.ndarray, dst: np.ndarray) -> None:
-    """Upcast float16 ``src`` into float32 ``dst`` exactly, bitwise as NumPy casts it (NaN payloads too).
-
-    The magnitude bits moved into float32's place are a float32 of the same
-    mantissa with the exponent 112 lower (a float16 subnormal a float32 one),
-    so one multiplication by 2**112 (exact) rebiases every finite value;
-    infinity and NaN get float32's all-ones exponent instead; then the sign.
-    About twice as fast as NumPy's scalar cast loop.
-    """
-    s16, d32 = src.view(np.uint16), dst.view(np.uint32)
-    sign = np.empty(min(_BLOCK16, s16.size), np.uint32)
-    for lo in range(0, s16.size, _BLOCK16):
-        d = d32[lo : lo + _BLOCK16]
-        t = sign[: d.size]
-        np.copyto(d, s16[lo : lo + _BLOCK16])
-        np.left_shift(d, 16, out=d)
-        np.bitwise_and(d, np.uint32(0x80000000), out=t)
-        np.bitwise_and(d, np.uint32(0x7FFF0000), out=d)
-        np.right_shift(d, 3, out=d)
-        special = d >= _F16_SPECIAL if d.max() >= _F16_SPECIAL else None
-        f = d.view(np.float32)
-        np.multiply(f, np.float32(2.0**112), out=f)
-        if special is not None:
-            np.bitwise_or(d, np.uint32(0x7F800000), out=d, where=special)
-        np.bitwise_or(d, t, out=d)
-
-
-def _f32_to_bf16(src: np.ndarray, dst: np.ndarray, scratch: np.ndarray) -> None:
-    """Round float32 ``src`` to nearest even bfloat16 into ``dst``, bitwise as ml_dtypes casts it.
-
-    ``(bits + 0x7FFF + lowest kept bit) >> 16`` is round-to-nearest-even on
-    the bits for every finite value and infinity (overflow rounds to
-    infinity, subnormals round on the same grid). Only NaN needs care: a
-    segment holding one is cast by ml_dtypes instead.
-    """
-    if np.isnan(np.max(src)):
-        dst[...] = src
-        return
-    u32, d16 = src.view(np.uint32), dst.view(np.uint16)
-    for lo in range(0, u32.size, _BLOCK):
-        u = u32[lo : lo + _BLOCK]
-        t = scratch[: u.size]
-        np.right_shift(u, 16, out=t)
-        np.bitwise_and(t, 1, out=t)
-        np.add(t, 0x7FFF, out=t)
-        np.add(t, u, out=t)
-        np.right_shift(t, 16, out=t)
-        np.copyto(d16[lo : lo + _BLOCK], t, casting="unsafe")
-
-
-#: Use PyTorch's vectorized 16-bit casts on host arrays when the process has
-#: imported torch (None: automatic; False: never, NumPy / ml_dtypes casts
-#: only). They are bitwise equal to NumPy's and ml_dtypes' for every non-NaN
-#: value (a NaN stays a NaN, its payload may differ) and, measured per cast
-#: on one thread of the development machine, 2-9 (bfloat16) and 25-45
-#: (float16) times faster: NumPy's float16 casts are scalar loops. mpidp
-#: never imports torch itself.
-TORCH_CASTS: bool | None = None
-#: Shorter segments use the NumPy casts: one torch call costs about 2 us.
-_TORCH_MIN = 1 << 12
-
-
-def _torch_for(n: int) -> Any:
-    """The torch module to cast ``n`` elements with, or None."""
-    if TORCH_CASTS is False or n < _TORCH_MIN:
-        return None
-    return sys.modules.get("torch")
-
-
-#: Use the compiled 16-bit casts of :mod:`mpidp.kernels` (numba, ``pip install
-#: mpidp[numba]``) where torch's are not used (None: when numba is installed;
-#: False: never, NumPy / ml_dtypes casts only). As fast as torch's on one core
-#: of the development machine, 2-27x faster than NumPy's (docs/performance.md), and
-#: bitwise equal to NumPy's and ml_dtypes' for every non-NaN value (a NaN
-#: stays a NaN of its sign, its payload may differ). The first cast of a
-#: process imports numba and loads the compiled kernels (about 1 s; they are
-#: compiled on the first use after installing and cached beside the module).
-NUMBA_CASTS: bool | None = None
-#: the kernels module once imported; False when numba is absent or the kernels failed to build
-_kernels: Any = None
-
-
-def _kernels_for(*pair: np.ndarray) -> Any:
-    """The compiled kernels to cast between ``pair`` with, or None (not wanted, absent, or arrays they do not take)."""
-    global _kernels
-    if NUMBA_CASTS is False or pair[0].size < _TORCH_MIN or _kernels is False:
-        return None
-    if not all(a.flags.c_contiguous and a.flags.aligned and a.dtype.isnative and a.ndim == 1 for a in pair):
-        return None
-    if _kernels is None:
-        try:
-            from . import kernels
-        except Exception as e:  # noqa: BLE001 - numba absent (ImportError), or it could not build them: NumPy casts
-            _kernels = False
-            if NUMBA_CASTS is True or not isinstance(e, ImportError):
-                warnings.warn(f"mpidp: compiled 16-bit casts unavailable, using NumPy's: {type(e).__name__}: {e}", stacklevel=3)
-            return None
-        _kernels = kernels
-    return _kernels
-
-
-def _tensor(torch: Any, a: np.ndarray) -> Any:
-    """A tensor sharing the memory of host array ``a`` (bfloat16 through its bits)."""
-    if a.dtype == arrays.BFLOAT16:
-        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
-    return torch.from_numpy(a)
-
-
-def _pack(dst: np.ndarray, src: np.ndarray) -> None:
-    """Upcast one host segment into the float32 stage."""
-    if src.dtype != np.float32:
-        torch = _torch_for(src.size)
-        if torch is not None:
-            _tensor(torch, dst).copy_(_tensor(torch, src))
-            return
-        kernels = _kernels_for(src, dst)
-        if kernels is not None:
-            if src.dtype == np.float16:
-                kernels.f16_to_f32(src.view(np.uint16), dst)
-            else:
-                kernels.bf16_to_f32(src.view(np.uint16), dst.view(np.uint32))
-            return
-    if src.dtype == arrays.BFLOAT16 and src.size >= _FAST_BF16:
-        _bf16_to_f32(src, dst)
-    elif src.dtype == np.float16 and src.size >= _FAST_BF16:
-        _f16_to_f32(src, dst)
-    else:
-        dst[...] = src
-
-
-def _unpack(dst: np.ndarray, src: np.ndarray, op: Callable[..., Any], operand: np.float32, scratch: list[np.ndarray]) -> None:
-    """Scale one reduced host segment of the stage and cast it back into its slot.
-
-    float32 segments are scaled straight into their slot. 16-bit ones are
-    scaled in the stage and cast by torch when it is loaded; otherwise
-    bfloat16 is scaled and rounded per sub-block while the sub-block is in
-    cache, and float16 is scaled straight into its slot (the ufunc computes
-    in float32 and casts its output, as a division followed by ``astype``
-    does).
-    """
-    if dst.dtype == np.float32:
-        op(src, operand, out=dst)
-        return
-    torch = _torch_for(src.size)
-    if torch is not None:
-        op(src, operand, out=src)  # whole segments: the torch calls cost more than the cache misses
-        _tensor(torch, dst).copy_(_tensor(torch, src))
-        return
-    kernels = _kernels_for(src, dst)
-    if kernels is not None:  # the division and the cast in one pass
-        cast = kernels.f32_to_f16 if dst.dtype == np.float16 else kernels.f32_to_bf16
-        cast(src, dst.view(np.uint16), operand, op is np.multiply)
-        return
-    if dst.dtype == arrays.BFLOAT16 and src.size >= _FAST_BF16:
-        if not scratch:  # one sub-block of scratch per reduce_calls, allocated on first use
-            scratch.append(np.empty(_BLOCK, np.uint32))
-        for lo in range(0, src.size, _BLOCK):
-            s = src[lo : lo + _BLOCK]
-            op(s, operand, out=s)
-            _f32_to_bf16(s, dst[lo : lo + _BLOCK], scratch[0])
-        return
-    if dst.dtype == np.float16:
-        op(src, operand, out=dst, casting="unsafe")
-        return
-    op(src, operand, out=src)
-    dst[...] = src
-
-
 #: Values of ``MPIDP_REDUCTION``: how a host call is summed (agreed in ``initialize``).
 REDUCTIONS = ("auto", "allreduce", "reduce_scatter")
 #: ``auto`` reduce-scatters 16-bit calls of at least this many units (shorter calls: one Allreduce
@@ -505,28 +299,31 @@ class Moves(NamedTuple):
     allgather: Callable[[np.ndarray], None] | None = None  # every rank's equal share of a byte buffer, in place
 
 
-def run_steps(work: Sequence[Step], moves: Moves | Callable[[np.ndarray], None], scale: float) -> None:
+def run_steps(
+    work: Sequence[Step], moves: Moves | Callable[[np.ndarray], None], scale: float, casts: Casts = DEFAULT
+) -> None:
     """Sum each step over all ranks and divide by ``float32(scale)``: the host loop of :func:`reduce_calls`."""
     if not isinstance(moves, Moves):
         moves = Moves(moves)
     allreduce, reduce_scatter, allgather = moves
-    op, operand = _scaler(scale)
+    by = divisor(scale)
+    upcast, downcast = casts.upcast, casts.downcast
     scratch: list[np.ndarray] = []
     for buf, pieces, gather, mine, shard, back, pad in work:
         for piece, src in pieces:
-            _pack(piece, src)
+            upcast(piece, src)
         if gather is None:
             allreduce(buf)
             if not pieces:
-                op(buf, operand, out=buf)
+                by.ufunc(buf, by.operand, out=buf)
             for piece, dst in pieces:
-                _unpack(dst, piece, op, operand, scratch)
+                downcast(dst, piece, by, scratch)
             continue
         if pad:
             buf[buf.size - pad :] = 0
         assert reduce_scatter is not None and allgather is not None and mine is not None and shard is not None
         reduce_scatter(buf, shard)
-        _unpack(mine, shard, op, operand, scratch)  # the owner divides its share and casts it, once
+        downcast(mine, shard, by, scratch)  # the owner divides its share and casts it, once
         allgather(gather.view(np.uint8))
         for piece, dst in back:
             np.copyto(dst, piece)
@@ -546,6 +343,7 @@ def reduce_calls(
     moves: Moves | Callable[[np.ndarray], None],
     scale: float,
     scatter: Scatter | None = None,
+    casts: Casts = DEFAULT,
 ) -> None:
     """Sum every call over all ranks, divide by ``float32(scale)`` and leave the result in the slots (host arrays).
 
@@ -553,9 +351,10 @@ def reduce_calls(
     ``scale`` in float32 and casting back with NumPy / ml_dtypes, and equal
     on every rank (a reduce-scattered value is computed by one rank). Extra
     host memory: at most one sub-block of scratch (256 KiB) beside ``stage``
-    and ``scatter``'s buffers. Device arrays go through :func:`mpidp.cuda.reduce_calls`.
+    and ``scatter``'s buffers. ``casts``: whose 16-bit casts (:class:`mpidp.casts.Casts`).
+    Device arrays go through :meth:`mpidp.cuda.Device.reduce_calls`.
     """
-    run_steps(steps(calls, slots, stage, scatter), moves, scale)
+    run_steps(steps(calls, slots, stage, scatter), moves, scale, casts)
     write_back(slots)
 
 

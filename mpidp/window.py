@@ -15,13 +15,14 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 
 from . import arrays, layout
+from .casts import DEFAULT, Casts
 from .packing import Call, Moves, Scatter, Slot, Step, plan, reduce_calls, run_steps, slot, steps
 
 if TYPE_CHECKING:
     from .comm import Communicator
     from .cuda import Device
 
-__all__ = ["Cache", "Given", "Group", "Transport", "check_gradients", "reduce_slots"]
+__all__ = ["Accepted", "Cache", "Given", "Group", "Program", "Transport", "check_gradients", "reduce_slots"]
 
 #: a window's plan: the calls, and the globally present reduction slots
 Plan = tuple[tuple[Call, ...], list[int]]
@@ -79,25 +80,49 @@ class Given(NamedTuple):
 
 
 class Transport(NamedTuple):
-    """How a session's chunks reach MPI: its communicator, its float32 stage, its device (None: host), its reduce-scatter."""
+    """How a session's chunks reach MPI: its communicator, its float32 stage, its device (None: host), its reduce-scatter, its casts."""
 
     comm: Communicator
     stage: Any
     gpu: Device | None
     scatter: Scatter | None = None  # host reduce-scatter buffers and the agreed mode; None: Allreduce only
+    casts: Casts = DEFAULT  # how host 16-bit values are cast (``MPIDP_CASTS``, chosen once per session)
+
+
+class Accepted(NamedTuple):
+    """A gradient of an accepted set (:class:`Cache`): the same object, unchanged, passes again without a look."""
+
+    ref: Any  # a weak reference to the array
+    fingerprint: tuple[Any, ...]  # :func:`mpidp.arrays.fingerprint` of the array when it was accepted
+    number: int  # its reduction slot
+    own: Given | None  # its Given, when it is mpidp's own flat storage (the session holds it anyway)
+
+
+#: what ``accepted.get`` gives a name that is not there: its reference is dead, so nothing matches it
+_NOT_ACCEPTED: Accepted = Accepted(lambda: None, (), -1, None)
+
+
+class Program(NamedTuple):
+    """The cut host steps of a window on the same arrays as the window before (:class:`Cache`)."""
+
+    plan: Plan  # the plan they were cut for
+    serial: int  # the accepted set they were cut on (:attr:`Cache.serial`)
+    steps: tuple[Step, ...]
+    result: dict[str, Any]  # the reduced gradients by name, as the window returned them
+    given: tuple[Given | None, ...]  # that window's checked gradients, reused by the next check
 
 
 class Cache:
     """What reduce reuses from window to window; a window that raises keeps no gradient arrays.
 
-    * ``accepted``: name -> (weak reference, fingerprint, slot, its Given if it is flat storage) of every gradient
+    * ``accepted``: name -> :class:`Accepted` of every gradient
       of the last window that passed the checks: the same objects, unchanged, pass again without a
       second look (weak, so that a caller who allocates new gradients every window does not keep the
       old ones alive); ``serial`` counts the sets accepted, ``again`` says this window's set is the last
       one, unchanged. ``previous``: the set accepted before it, which passes the same way (an
       overlapped session's ``.grad`` alternate between two sets of tensors); it then becomes
       ``accepted`` again, as a new set (``serial`` counts it, ``again`` stays False).
-    * ``program``: (plan, serial, host steps, result, given) of the last window whose gradients were the
+    * ``program``: the :class:`Program` of the last window whose gradients were the
       same arrays as the window before: the next such window reruns the steps as they are, and its
       check reuses that window's ``given`` (views and all) instead of viewing every array again.
     * ``plans``: presence bits -> plan, a small LRU.
@@ -105,11 +130,11 @@ class Cache:
     """
 
     def __init__(self) -> None:
-        self.accepted: dict[str, tuple[Any, tuple[Any, ...], int, Given | None]] = {}
-        self.previous: dict[str, tuple[Any, tuple[Any, ...], int, Given | None]] = {}
+        self.accepted: dict[str, Accepted] = {}
+        self.previous: dict[str, Accepted] = {}
         self.serial = 0
         self.again = False
-        self.program: tuple[Plan, int, tuple[Step, ...], dict[str, Any], tuple[Given | None, ...]] | None = None
+        self.program: Program | None = None
         self.plans: dict[tuple[int, ...], Plan] = {}
         self.flat: layout.FlatGradients | None = None
 
@@ -139,7 +164,7 @@ def check_gradients(grads: Any, slots: Slots, cache: Cache, given: list[Given | 
     if not isinstance(grads, Mapping):
         return f"grads must be a mapping of names to arrays, got {type(grads).__name__}"
     program = cache.program
-    kept = program[4] if program is not None and program[1] == cache.serial else None
+    kept = program.given if program is not None and program.serial == cache.serial else None
     if _accepted_again(grads, cache.accepted, given, kept):
         cache.again = True
         return None
@@ -167,7 +192,7 @@ def check_gradients(grads: Any, slots: Slots, cache: Cache, given: list[Given | 
         if why is not None:
             return why
         flat = cache.flat.prepared(group.number, g) if cache.flat is not None else None
-        given[group.number] = Given(name, g, arrays.view(g) if flat is None else flat[2], None if flat is None else flat[3])
+        given[group.number] = Given(name, g, arrays.view(g), None) if flat is None else Given(name, g, flat.view, flat.slot)
     present = [x for x in given if x is not None]
     why = layout.overlap([x.view for x in present], [x.name for x in present])
     if why is None:
@@ -187,24 +212,24 @@ def _problem(name: str, g: Any, p: arrays.ArrayInfo) -> str | None:
     return None if why is None else f"gradient {name!r}: {why}"
 
 
-def _accept(cache: Cache, given: Sequence[Given | None], last: dict[str, Any]) -> None:
+def _accept(cache: Cache, given: Sequence[Given | None], last: dict[str, Accepted]) -> None:
     """Remember the accepted gradients, so that the same arrays pass the next window without a look; ``last`` becomes the previous set."""
-    accepted: dict[str, tuple[Any, tuple[Any, ...], int, Given | None]] = {}
+    accepted: dict[str, Accepted] = {}
     try:
         for i, x in enumerate(given):
             if x is None:
                 continue
             if x.prepared is None or cache.flat is None:  # a caller's array: its view is made again (held weakly)
-                accepted[x.name] = (weakref.ref(x.array), arrays.fingerprint(x.array), i, None)
+                accepted[x.name] = Accepted(weakref.ref(x.array), arrays.fingerprint(x.array), i, None)
             else:  # mpidp's own flat storage: the session holds it anyway, Given and all
-                accepted[x.name] = (weakref.ref(x.array), cache.flat.slots[i][1], i, x)
+                accepted[x.name] = Accepted(weakref.ref(x.array), cache.flat.slots[i].fingerprint, i, x)
         cache.previous, cache.accepted = last, accepted
     except TypeError:  # an array type without weak references: checked in full every window
         cache.previous, cache.accepted = {}, {}
 
 
 def _accepted_again(
-    grads: Mapping[str, Any], accepted: dict[str, Any], given: list[Given | None],
+    grads: Mapping[str, Any], accepted: dict[str, Accepted], given: list[Given | None],
     kept: Sequence[Given | None] | None = None,
 ) -> bool:
     """Fill ``given`` if ``grads`` are the arrays of an ``accepted`` set (:class:`Cache`), unchanged.
@@ -217,13 +242,14 @@ def _accepted_again(
         return False
     fingerprint = arrays.fingerprint
     for name, g in grads.items():
-        entry = accepted.get(name)
-        if entry is None or entry[0]() is not g or fingerprint(g) != entry[1]:
+        # unpacked, not read by field name: a field read costs more than an index (every window, every gradient)
+        entry: Accepted = accepted.get(name, _NOT_ACCEPTED)
+        ref, taken, number, own = entry
+        if ref() is not g or fingerprint(g) != taken:
             given[:] = [None] * len(given)
             return False
-        if kept is None:
-            own = entry[3]  # mpidp's own flat storage, unchanged since its fingerprint was taken
-            given[entry[2]] = own if own is not None else Given(name, g, arrays.view(g), None)
+        if kept is None:  # ``own``: mpidp's own flat storage, unchanged since its fingerprint was taken
+            given[number] = own if own is not None else Given(name, g, arrays.view(g), None)
     if kept is not None:
         given[:] = kept
     return True
@@ -242,12 +268,12 @@ def reduce_slots(
     comm = transport.comm
     moves = _moves(comm, operation)
     program = cache.program
-    if program is not None and cache.again and weight > 0 and program[0] is entry and program[1] == cache.serial:
+    if program is not None and cache.again and weight > 0 and program.plan is entry and program.serial == cache.serial:
         # the same arrays as the window that cut these steps, unchanged (same objects, same
         # fingerprints: same memory) and all present; a weighted rank with every gradient makes
         # every slot globally present, so the plan is the same too (checked all the same: cheap)
-        run_steps(program[2], moves, global_weight)
-        return dict(program[3])
+        run_steps(program.steps, moves, global_weight, transport.casts)
+        return dict(program.result)
     cache.program = None
     calls, indices = entry
     out: dict[str, Any] = {}
@@ -268,10 +294,10 @@ def reduce_slots(
     elif cache.again and weight > 0 and all(x is not None for x in given) and all(s.original is None for s in slots if s is not None):
         # the second window in a row on the same arrays: keep the cut views for the next one
         work = steps(calls, slots, transport.stage, transport.scatter)
-        cache.program = (entry, cache.serial, work, dict(out), tuple(given))
-        run_steps(work, moves, global_weight)
+        cache.program = Program(entry, cache.serial, work, dict(out), tuple(given))
+        run_steps(work, moves, global_weight, transport.casts)
     else:
-        reduce_calls(calls, slots, transport.stage, moves, global_weight, transport.scatter)
+        reduce_calls(calls, slots, transport.stage, moves, global_weight, transport.scatter, transport.casts)
     return out
 
 

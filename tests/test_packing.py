@@ -6,6 +6,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from mpidp import casts as cast_room
+from mpidp.casts import Casts
 from mpidp.packing import Segment, bcast_calls, plan, reduce_calls, slot
 
 
@@ -52,11 +54,11 @@ def test_plan_depends_only_on_sizes_and_presence() -> None:
     assert plan([5, 100, 3], [True, False, True], 40) != plan([5, 100, 3], [True, True, True], 40)
 
 
-def _run(arrays: list[np.ndarray], chunk: int, scale: float) -> list[np.ndarray]:
+def _run(arrays: list[np.ndarray], chunk: int, scale: float, casts: Casts = cast_room.DEFAULT) -> list[np.ndarray]:
     calls = plan([a.size for a in arrays], [True] * len(arrays), chunk)
     stage = np.empty(chunk, np.float32)
     seen: list[int] = []
-    reduce_calls(calls, [slot(a) for a in arrays], stage, lambda b: seen.append(b.size), np.float32(scale))
+    reduce_calls(calls, [slot(a) for a in arrays], stage, lambda b: seen.append(b.size), np.float32(scale), casts=casts)
     assert seen == [c.length for c in calls]
     return arrays
 
@@ -108,23 +110,21 @@ def test_bcast_calls_moves_bytes_into_non_root_slots() -> None:
         assert a.tobytes() == b.tobytes()
 
 
-#: whose 16-bit casts packing uses: NumPy / ml_dtypes only, mpidp.kernels (numba), torch's
+#: whose 16-bit casts the loop uses: NumPy / ml_dtypes only, mpidp.kernels (numba), torch's
 CASTS = ["numpy", "numba", "torch"]
 
 
-def _use_casts(monkeypatch: pytest.MonkeyPatch, casts: str) -> None:
-    """Make packing cast long 16-bit segments with ``casts`` (skip where it is not installed)."""
-    from mpidp import packing
-
+def _use_casts(casts: str) -> Casts:
+    """The strategy that casts long 16-bit segments with ``casts`` (skip where it is not installed)."""
     if casts == "torch":
-        pytest.importorskip("torch")  # imported: packing casts with it
-        return
-    monkeypatch.setattr(packing, "TORCH_CASTS", False)
-    if casts == "numba":
-        pytest.importorskip("numba")
-        assert packing._kernels_for(np.empty(1 << 12, np.float16), np.empty(1 << 12, np.float32)) is not None
+        pytest.importorskip("torch")  # imported: the auto strategy casts with it
+        strategy = Casts("auto")
     else:
-        monkeypatch.setattr(packing, "NUMBA_CASTS", False)
+        if casts == "numba":
+            pytest.importorskip("numba")
+        strategy = Casts(casts)
+    assert strategy.fastest() == casts
+    return strategy
 
 
 def _adversarial(rng: np.random.Generator, n: int, dtype: np.dtype) -> np.ndarray:
@@ -140,10 +140,10 @@ def _adversarial(rng: np.random.Generator, n: int, dtype: np.dtype) -> np.ndarra
 @pytest.mark.parametrize("casts", CASTS)
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("scale", [3, 8, 1000003])
-def test_large_16_bit_segments_are_bitwise_the_reference_casts(monkeypatch: pytest.MonkeyPatch, casts: str, dtype: str, scale: int) -> None:
+def test_large_16_bit_segments_are_bitwise_the_reference_casts(casts: str, dtype: str, scale: int) -> None:
     """The fast casts (integer passes, compiled kernels, torch's) equal astype(float32) / scale -> astype(dtype)."""
 
-    _use_casts(monkeypatch, casts)
+    strategy = _use_casts(casts)
     d = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(np.float16)
     rng = np.random.default_rng(scale)
     big = _adversarial(rng, 300_000, d)
@@ -153,117 +153,20 @@ def test_large_16_bit_segments_are_bitwise_the_reference_casts(monkeypatch: pyte
     arrays = [big, small, tiny, f32]
     with np.errstate(all="ignore"):
         expected = [(a.astype(np.float32) / np.float32(scale)).astype(a.dtype) for a in arrays]
-    _run(arrays, 1 << 17, scale)
+    _run(arrays, 1 << 17, scale, strategy)
     for a, e in zip(arrays, expected):
         assert a.tobytes() == e.tobytes(), (a.dtype, np.flatnonzero(a.view(np.uint8) != e.view(np.uint8))[:5])
 
 
 @pytest.mark.parametrize("casts", CASTS)
-def test_nan_stays_nan_through_the_fast_casts(monkeypatch: pytest.MonkeyPatch, casts: str) -> None:
-
-    _use_casts(monkeypatch, casts)
+def test_nan_stays_nan_through_the_fast_casts(casts: str) -> None:
+    strategy = _use_casts(casts)
     for dtype in (np.dtype(ml_dtypes.bfloat16), np.dtype(np.float16)):
         a = np.full(200_000, 2.0, dtype=dtype)
         a[[0, 77, 199_999]] = np.nan
-        _run([a], 1 << 16, 3)
+        _run([a], 1 << 16, 3, strategy)
         f = a.astype(np.float32)
         assert np.isnan(f[[0, 77, 199_999]]).all()
         keep = np.ones(a.size, bool)
         keep[[0, 77, 199_999]] = False
         assert (a[keep] == (np.float32(2) / np.float32(3)).astype(dtype)).all()
-
-
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_the_16_bit_upcasts_are_bitwise_numpys_for_every_pattern(dtype: str) -> None:
-    """All 2**16 patterns (subnormals, infinities, NaN with payloads): the bit upcasts equal NumPy / ml_dtypes."""
-    from mpidp import packing
-
-    d = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(np.float16)
-    every = np.arange(1 << 16, dtype=np.uint16).view(d)
-    got = np.full(every.size, 7, np.float32)
-    (packing._bf16_to_f32 if dtype == "bfloat16" else packing._f16_to_f32)(every, got)
-    want = every.astype(np.float32)
-    assert got.view(np.uint32).tobytes() == want.view(np.uint32).tobytes()
-
-
-def test_the_bfloat16_downcast_is_bitwise_ml_dtypes_on_edge_and_random_floats() -> None:
-    """Round to nearest even on the bits: ties, subnormals, overflow to infinity; NaN stays NaN."""
-    from mpidp import packing
-
-    rng = np.random.default_rng(11)
-    bits = np.concatenate([
-        rng.integers(0, 1 << 32, 1 << 20, dtype=np.uint64).astype(np.uint32),  # every kind of float32
-        (np.arange(1 << 16, dtype=np.uint32) << 16) | 0x8000,  # every tie
-        (np.arange(1 << 16, dtype=np.uint32) << 16) | 0x7FFF,
-        np.array([0x7F7FFFFF, 0xFF7FFFFF, 0x7F7F8000, 0x00000001, 0x80000001, 0x007FFFFF, 0x7F800000], np.uint32),
-    ])
-    x = bits.view(np.float32)
-    nan = np.isnan(x)
-    with np.errstate(all="ignore"):
-        want = x.astype(ml_dtypes.bfloat16)
-    got = np.empty(x.size, ml_dtypes.bfloat16)
-    finite = x[~nan]
-    out = np.empty(finite.size, ml_dtypes.bfloat16)
-    packing._f32_to_bf16(finite, out, np.empty(1 << 16, np.uint32))
-    assert out.view(np.uint16).tobytes() == want[~nan].view(np.uint16).tobytes()
-    with np.errstate(invalid="ignore"):
-        packing._f32_to_bf16(x, got, np.empty(1 << 16, np.uint32))  # a segment with NaN: ml_dtypes' cast
-    assert np.isnan(got[nan].astype(np.float32)).all()
-    assert got[~nan].view(np.uint16).tobytes() == want[~nan].view(np.uint16).tobytes()
-
-
-def test_compiled_kernels_are_bitwise_numpy_and_ml_dtypes() -> None:
-    """Every 16-bit pattern up; float32 bit patterns (random, subnormal edges, overflow edge) down, scaled both ways."""
-    kernels = pytest.importorskip("mpidp.kernels")
-    every = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
-    up = np.empty(every.size, np.float32)
-    kernels.bf16_to_f32(every, up.view(np.uint32))
-    assert up.tobytes() == every.view(ml_dtypes.bfloat16).astype(np.float32).tobytes()
-    kernels.f16_to_f32(every, up)
-    expected = every.view(np.float16).astype(np.float32)
-    nan = np.isnan(expected)
-    assert np.isnan(up[nan]).all() and up[~nan].tobytes() == expected[~nan].tobytes()
-    rng = np.random.default_rng(7)
-    bits = np.concatenate([
-        rng.integers(0, 1 << 32, 2_000_000, dtype=np.uint64).astype(np.uint32),
-        np.arange(0x33000000, 0x38900000, 61, dtype=np.uint32),  # float16's subnormal range and its top
-        np.arange(0x477F0000, 0x47810000, dtype=np.uint32),  # around float16's overflow
-        np.arange(0x7F7F0000, 0x7F800100, 7, dtype=np.uint32),  # around bfloat16's overflow, infinity, NaN
-    ])
-    x = np.concatenate([bits, bits | np.uint32(0x80000000)]).view(np.float32)
-    out = np.empty(x.size, np.uint16)
-    for scale, multiply in ((3.0, False), (1000003.0, False), (0.25, True), (1.0, True)):
-        with np.errstate(all="ignore"):
-            v = x * np.float32(scale) if multiply else x / np.float32(scale)
-            want16, wantb = v.astype(np.float16).view(np.uint16), v.astype(ml_dtypes.bfloat16).view(np.uint16)
-        nan = np.isnan(v)
-        kernels.f32_to_f16(x, out, np.float32(scale), multiply)
-        assert np.array_equal(out[~nan], want16[~nan]), np.flatnonzero(out[~nan] != want16[~nan])[:5]
-        assert np.isnan(out[nan].view(np.float16)).all() and np.array_equal(out[nan] >> 15, want16[nan] >> 15)
-        kernels.f32_to_bf16(x, out, np.float32(scale), multiply)
-        assert np.array_equal(out, wantb), np.flatnonzero(out != wantb)[:5]  # NaN: ml_dtypes' quiet NaN of its sign
-
-
-def test_without_numba_the_numpy_casts_serve(monkeypatch: pytest.MonkeyPatch) -> None:
-    """numba absent (or its kernels failing to build): NumPy casts, the same bits, no warning unless asked for."""
-    import sys
-    import warnings
-
-    import mpidp
-    from mpidp import packing
-
-    monkeypatch.setattr(packing, "TORCH_CASTS", False)
-    monkeypatch.setattr(packing, "_kernels", None)
-    monkeypatch.setitem(sys.modules, "mpidp.kernels", None)  # import fails with ImportError
-    monkeypatch.delattr(mpidp, "kernels", raising=False)  # an earlier import's attribute would serve it
-    a = _adversarial(np.random.default_rng(1), 100_000, np.dtype(np.float16))
-    expected = (a.astype(np.float32) / np.float32(3)).astype(np.float16)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        _run([a], 1 << 17, 3)
-    assert a.tobytes() == expected.tobytes()
-    assert packing._kernels is False
-    monkeypatch.setattr(packing, "_kernels", None)
-    monkeypatch.setattr(packing, "NUMBA_CASTS", True)
-    with pytest.warns(UserWarning, match="compiled 16-bit casts unavailable"):
-        _run([a], 1 << 17, 1)

@@ -622,9 +622,8 @@ def test_gradients_of_any_layout_give_the_bits_of_plain_ones(
     if chunk_bytes == 4096 and importlib.util.find_spec("torch") is not None:
         import torch  # noqa: F401 - packing casts long 16-bit segments with torch once it is imported
     else:  # without torch: NumPy's casts, or numba's where installed in the reduce-scatter cases
-        monkeypatch.setattr(mpidp.packing, "TORCH_CASTS", False)
-        if reduction == "auto":
-            monkeypatch.setattr(mpidp.packing, "NUMBA_CASTS", False)
+        numba = reduction != "auto" and importlib.util.find_spec("numba") is not None
+        monkeypatch.setenv("MPIDP_CASTS", "numba" if numba else "numpy")  # read by initialize
     wide = {"wide": np.zeros((64, 100), np.float32), "wide16": np.zeros((64, 100), np.float16), "wideb": np.zeros((64, 100), BF16)}
     params = {**model(100 + comm.rank), **wide}  # 2-D, several calls of their own at 4 KiB, long 16-bit segments
     with mpidp.DataParallel.initialize(params, comm, frozen=["frozen"], chunk_bytes=chunk_bytes) as dp:
@@ -639,6 +638,35 @@ def test_gradients_of_any_layout_give_the_bits_of_plain_ones(
             assert all(out[k] is odd[k] for k in odd)  # written in place
             assert snapshot({k: np.asarray(v) for k, v in out.items()}) == expected
         assert_same_on_every_rank(comm, {k: np.asarray(v) for k, v in out.items()})
+
+
+@pytest.mark.parametrize("reduction", ["allreduce", "reduce_scatter"])
+def test_ranks_on_different_casts_reduce_to_the_same_bits(comm: MPI.Comm, monkeypatch: pytest.MonkeyPatch, reduction: str) -> None:
+    """MPIDP_CASTS is this rank's choice (not agreed): NumPy's, numba's and torch's (when imported) casts give the same bits."""
+    monkeypatch.setenv("MPIDP_REDUCTION", reduction)
+    numba = "numba" if importlib.util.find_spec("numba") is not None else "numpy"
+    monkeypatch.setenv("MPIDP_CASTS", ("numpy", numba, "auto")[comm.rank % 3])
+    shapes = {"h": (70_000, np.float16), "b": (50_000, BF16), "f": (9_000, np.float32)}
+    params = {k: np.zeros(n, d) for k, (n, d) in shapes.items()}
+    rng = np.random.default_rng(1)  # the same on every rank: the expected values are the one process's
+    every = [{k: rng.integers(-40, 40, n).astype(d) for k, (n, d) in shapes.items()} for _ in range(comm.size)]
+    weight = sum(range(3, 3 + comm.size))
+    expected = {k: (sum(g[k].astype(np.float32) for g in every) / np.float32(weight)).astype(d) for k, (_, d) in shapes.items()}
+    with mpidp.DataParallel.initialize(params, comm) as dp:
+        out = dp.reduce({k: v.copy() for k, v in every[comm.rank].items()}, 3 + comm.rank).gradients
+    assert snapshot(out) == snapshot(expected)  # small integers: every float32 sum is exact, in any order
+
+
+def test_an_unknown_casts_mode_is_one_error(comm: MPI.Comm, monkeypatch: pytest.MonkeyPatch) -> None:
+    if comm.rank == comm.size - 1:
+        monkeypatch.setenv("MPIDP_CASTS", "gpu")
+    params = model(comm.rank)
+    before = snapshot(params)
+    same_error_everywhere(
+        comm, partial(mpidp.DataParallel.initialize, params, comm), ContractError,
+        f"rank {comm.size - 1}: MPIDP_CASTS must be one of auto, numba, numpy, got 'gpu'",
+    )
+    assert snapshot(params) == before
 
 
 def _self_overlapping(g: dict[str, Any]) -> None:

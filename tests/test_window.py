@@ -135,7 +135,7 @@ def test_flat_storage_gradients_reuse_their_prepared_slots() -> None:
     grads = {g.name: a for g, a in zip(slots.groups, cache.flat.arrays)}
     given: list[Given | None] = [None] * len(slots)
     assert check_gradients(grads, slots, cache, given) is None
-    assert all(x is not None and x.prepared is cache.flat.slots[i][3] for i, x in enumerate(given))
+    assert all(x is not None and x.prepared is cache.flat.slots[i].slot for i, x in enumerate(given))
     assert arrays.view(grads["h"]).base is not None
 
 

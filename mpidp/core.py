@@ -26,7 +26,7 @@ from . import arrays, checks, cuda, guard, launch, layout, overlap, records
 from . import comm as _mpi
 from .checks import ByteRegions
 from .comm import Communicator, MPIComm
-from .errors import CollectiveError, ContractError
+from .errors import CollectiveError, ContractError, DataParallelError
 from .layout import flat_parameters
 from .packing import (
     BCAST_OWN_BYTES,
@@ -108,6 +108,8 @@ class DataParallel:
         self._cache = Cache()
         self._window = 0
         self._closed = False
+        self._closing = False  # a rank is in close: this rank closes without asking again
+        self._exiting = False  # closed by the interpreter's exit, not by the program
         self._failed: str | None = None  # set by the first CollectiveError: the session is unusable
         self._buckets: overlap.Buckets | None = None  # reduction buckets filled during backward, once asked for
         self._bucket_watchdog: guard.Watchdog | None = None  # watches the buckets' communication thread
@@ -330,7 +332,7 @@ class DataParallel:
             error = error or late
         Window.fill(self._window_frame, step_word, code, weight, presence)
         try:
-            rows = records.agree(self._comm, self._window_frame, error, f"{operation}: exchange", self._judge, Window.AGREED)
+            rows = self._agree(self._window_frame, error, f"{operation}: exchange", self._judge, Window.AGREED)
             global_weight, key = Window.facts(rows, self._slots.words)
             _check_global_weight(global_weight)
         except ContractError:
@@ -593,7 +595,7 @@ class DataParallel:
             frame = self._frame.new(records.JOIN)
             frame[records.Join.HAS] = not done
             try:
-                rows = records.agree(self._comm, frame, error, f"join (step {step}): does any rank have a batch")
+                rows = self._agree(frame, error, f"join (step {step}): does any rank have a batch")
             except ContractError as e:
                 if cause is not None:
                     raise e from cause
@@ -619,7 +621,7 @@ class DataParallel:
                     frame[records.Verify.CRCS + k] = zlib.crc32(layout.crc_bytes(arrays.view(self._arrays[i])))
         except Exception as e:  # noqa: BLE001 - reported to every rank, never raised alone
             error = f"could not read the parameters: {type(e).__name__}: {e}"
-        rows = records.agree(self._comm, frame, error, "verify_replicas")
+        rows = self._agree(frame, error, "verify_replicas")
         crcs = records.Verify.crcs(rows, len(self._heads))
         differ = crcs != crcs[self._root]
         if differ.any():
@@ -630,11 +632,30 @@ class DataParallel:
                 f"replicas differ from root {self._root} on rank(s) {', '.join(map(str, ranks))}: parameter(s) {shown}"
             )
 
+    def _agree(self, frame: np.ndarray, error: str | None, operation: str, judge: records.Judge | None = None, agreed: int = records.BODY) -> Any:
+        """:func:`records.agree` on this session; where a rank is in :meth:`close`, every rank closes, then raises (collective)."""
+        try:
+            return records.agree(self._comm, frame, error, operation, judge, agreed)
+        except records.OperationsDiffer as e:
+            if e.closing:
+                self._closing = True
+                self.close()
+            raise ContractError(str(e)) from None  # the user's error type, as for every other refusal
+
     def close(self) -> None:
-        """Free the private communicator (collective). Idempotent."""
+        """Agree that every rank closes, then free the private communicator (collective). Idempotent.
+
+        A rank in another mpidp operation meanwhile (it made a ``reduce`` this
+        rank skipped, or called one alone) is one ContractError on every rank,
+        naming where each rank is; the session is closed on every rank then
+        (here after freeing what it holds). A session still open when the
+        interpreter exits is closed then, before MPI is finalized.
+        """
         if self._closed:
             return
+        error = self._agree_close()
         self._closed = True
+        guard.forget_at_exit(self)
         self._cache.forget()  # release the last windows' gradient arrays
         try:
             if self._buckets is not None:
@@ -648,6 +669,28 @@ class DataParallel:
         finally:
             if self._watchdog is not None:
                 self._watchdog.close()
+        if error is not None:
+            raise error
+
+    def _agree_close(self) -> DataParallelError | None:
+        """Agree with every rank that the session closes (collective): the error to raise once closed, or None."""
+        if self._failed is not None or self._closing:  # a broken session frees what it can; a closing rank was heard
+            return None
+        try:
+            frame = self._frame.new(records.CLOSE)
+            frame[records.Close.AT_EXIT] = self._exiting
+            records.agree(self._comm, frame, None, "close: agreement")
+        except CollectiveError as e:
+            self._failed = str(e)
+            return e
+        except ContractError as e:  # ranks in different operations: closed on every rank
+            return ContractError(str(e))
+        return None
+
+    def _close_at_exit(self) -> None:
+        """:meth:`close`, from the interpreter's exit (the other ranks' error then says so)."""
+        self._exiting = True
+        self.close()
 
     def __enter__(self) -> DataParallel:  # noqa: PYI034 - Self needs Python 3.11
         """Return this session (local)."""
@@ -709,6 +752,7 @@ def start(
         raise
     if c.size > 1:  # the latest session decides, for the process
         guard.install_abort_hook(world.rank, bool(options["abort_on_exception"]))
+    guard.close_at_exit(self, self._close_at_exit)
     return self
 
 
@@ -721,7 +765,7 @@ def broadcast_regions(dp: DataParallel, regions: checks.ByteRegions, operation: 
     dp._usable()  # a closed or broken session says so, on every rank alike
     frame = dp._frame.new(records.REGIONS)
     frame[records.RegionsRecord.DIGEST] = records.RegionsRecord.digest(regions.entries)
-    rows = records.agree(dp._comm, frame, regions.error, f"{operation}: agreement")
+    rows = dp._agree(frame, regions.error, f"{operation}: agreement")
     if records.RegionsRecord.differ(rows):  # every rank holds the same rows: all fetch the entries, or none
         sent = dp._comm.allgather_obj(tuple(tuple(r) for r in regions.entries), f"{operation}: entries")
         records.refuse(records.regions_disagreement(records.RegionsRecord.decode(sent)))

@@ -741,6 +741,9 @@ def start(
         local = checks.setup(c, params, root, frozen, options, regions, setup_error)  # check locally
         everyone = records.agree(c, local.setup, local.error, "initialize: agreement")  # agree
         self = DataParallel(c, params, local, watchdog)
+        unknown = launch.unknown_variables_once() if c.rank == self._root else None  # root's word: once per job
+        if unknown is not None:
+            warnings.warn(unknown, launch.VariableWarning, stacklevel=3)
         self._broadcast(everyone)  # move
         self._move_regions(regions, "buffers: Bcast")
     except BaseException:

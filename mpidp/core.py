@@ -792,7 +792,7 @@ def _check_weight(local_weight: Any, policy: Any, error: str | None) -> tuple[in
 
 
 #: what every "changed after initialize" error tells the user to do
-REBUILD = "; build a new DataParallel after changing the model (mpidp does not follow a model changed after wrapping)"
+REBUILD = "; build a new DataParallel after changing the model (mpidp does not follow a model changed after it was built)"
 
 
 def _changes(was: arrays.ArrayInfo | None, now: arrays.ArrayInfo | None) -> str:

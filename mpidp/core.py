@@ -734,16 +734,10 @@ def start(
         raise
     watchdog = dogs[0] if dogs else None
     try:
-        world = _mpi.world()
-        warning = launch.check_world(world.size, world.library)
-        if warning is not None:
-            warnings.warn(warning, launch.LaunchWarning, stacklevel=3)
+        _warn_launch(c.rank == root)
         local = checks.setup(c, params, root, frozen, options, regions, setup_error)  # check locally
         everyone = records.agree(c, local.setup, local.error, "initialize: agreement")  # agree
         self = DataParallel(c, params, local, watchdog)
-        unknown = launch.unknown_variables_once() if c.rank == self._root else None  # root's word: once per job
-        if unknown is not None:
-            warnings.warn(unknown, launch.VariableWarning, stacklevel=3)
         self._broadcast(everyone)  # move
         self._move_regions(regions, "buffers: Bcast")
     except BaseException:
@@ -754,9 +748,20 @@ def start(
                 watchdog.close()
         raise
     if c.size > 1:  # the latest session decides, for the process
-        guard.install_abort_hook(world.rank, bool(options["abort_on_exception"]))
+        guard.install_abort_hook(_mpi.world().rank, bool(options["abort_on_exception"]))
     guard.close_at_exit(self, self._close_at_exit)
     return self
+
+
+def _warn_launch(root: bool) -> None:
+    """Warn (at initialize's caller) of a world of 1 the launcher meant larger, and, on root, once, of unknown MPIDP_ names."""
+    world = _mpi.world()
+    warning = launch.check_world(world.size, world.library)
+    if warning is not None:
+        warnings.warn(warning, launch.LaunchWarning, stacklevel=4)
+    unknown = launch.unknown_variables_once() if root else None  # root's word: once per job
+    if unknown is not None:
+        warnings.warn(unknown, launch.VariableWarning, stacklevel=4)
 
 
 def broadcast_regions(dp: DataParallel, regions: checks.ByteRegions, operation: str) -> None:

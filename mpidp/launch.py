@@ -146,13 +146,11 @@ def _srun_fix(flavour: str | None) -> str:
 def check_world(size: int, library: str | None = None, environ: Mapping[str, str] | None = None) -> str | None:
     """Return a warning if MPI sees a world of ``size`` 1 while the launcher says otherwise.
 
-    Local: reads environment variables, no communication. ``size`` is the
-    size of ``MPI.COMM_WORLD``; ``library`` is ``MPI.Get_library_version()``
-    (optional; it makes the suggested fix specific); ``environ`` defaults to
-    ``os.environ``. Returns None when there is nothing to report: a world
-    larger than one, no launcher variable, or a launcher that asked for one
-    process. Otherwise the text names the variable, its value and the likely
-    fix.
+    Local: reads environment variables, no communication. ``size`` is the size of ``MPI.COMM_WORLD``;
+    ``library`` is ``MPI.Get_library_version()`` (optional; it makes the suggested fix specific);
+    ``environ`` defaults to ``os.environ``. Returns None when there is nothing to report: a world
+    larger than one, no launcher variable, or a launcher that asked for one process. Otherwise the
+    text names the variable, its value and the likely fix.
     """
     if isinstance(size, bool) or not isinstance(size, int) or size < 1:
         raise ValueError(f"size must be a positive int, got {size!r}")

@@ -70,6 +70,8 @@ def install_abort_hook(rank: int, enabled: bool = True) -> None:
 #: how to close each session not closed yet, in the order they were made (the same on every rank: initialize is collective)
 _open: dict[int, Callable[[], None]] = {}
 _exit_registered = False
+#: the process the sessions belong to: a forked child (a data-loader worker) closes nothing
+_owner = os.getpid()
 
 
 def close_at_exit(session: Any, close: Callable[[], None]) -> None:
@@ -83,8 +85,9 @@ def close_at_exit(session: Any, close: Callable[[], None]) -> None:
     session is held (strongly: every rank must close the same sessions)
     until :func:`forget_at_exit` says it is closed.
     """
-    global _exit_registered
+    global _exit_registered, _owner
     _open[id(session)] = close
+    _owner = os.getpid()
     if not _exit_registered:
         atexit.register(_close_at_exit)
         _exit_registered = True
@@ -99,7 +102,7 @@ def _close_at_exit() -> None:
     """Close every session still open, the newest first (collective); an error aborts the job, as an uncaught one would."""
     sessions = list(_open.values())[::-1]
     _open.clear()
-    if not sessions or _mpi.finalized():  # the program finalized MPI itself: nothing can be closed any more
+    if not sessions or os.getpid() != _owner or _mpi.finalized():  # a forked child; MPI finalized by the program
         return
     first: Exception | None = None
     for close in sessions:

@@ -173,3 +173,11 @@ def test_nothing_is_closed_at_exit_once_mpi_is_finalized(sessions: list[str], mo
     Session("a", sessions)
     guard._close_at_exit()
     assert sessions == [] and not guard._open
+
+
+def test_a_forked_child_closes_nothing_at_exit(sessions: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A data-loader worker forked from a rank inherits the exit hook, and must not call MPI."""
+    Session("a", sessions)
+    monkeypatch.setattr(guard, "_owner", guard._owner + 1)
+    guard._close_at_exit()
+    assert sessions == []

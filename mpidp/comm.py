@@ -22,7 +22,7 @@ from mpi4py import MPI
 
 from .errors import CollectiveError, ContractError
 
-__all__ = ["Communicator", "MPIComm", "World", "abort", "duplicate", "free_cores", "loads", "thread_multiple", "world"]
+__all__ = ["Communicator", "MPIComm", "World", "abort", "duplicate", "finalized", "free_cores", "loads", "thread_multiple", "world"]
 
 #: the user's communicator type, for the other modules' annotations (they import no mpi4py)
 MPIComm = MPI.Comm
@@ -247,6 +247,11 @@ def free_cores(comm: Communicator, threads: int) -> bool:
         comm.operation = None
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return cores >= ranks * (threads + 1)
+
+
+def finalized() -> bool:
+    """Whether MPI has been finalized already (then no communicator can be used or freed; local)."""
+    return bool(MPI.Is_finalized())
 
 
 def abort(code: int = 1) -> None:

@@ -26,7 +26,7 @@ from . import arrays, checks, cuda, exact, exact_window, guard, launch, layout, 
 from . import comm as _mpi
 from .checks import ByteRegions
 from .comm import Communicator, MPIComm
-from .errors import CollectiveError, ContractError
+from .errors import CollectiveError, ContractError, DataParallelError
 from .layout import flat_parameters
 from .packing import (
     BCAST_OWN_BYTES,
@@ -112,6 +112,8 @@ class DataParallel:
         self._cache = Cache()
         self._window = 0
         self._closed = False
+        self._closing = False  # a rank is in close: this rank closes without asking again
+        self._exiting = False  # closed by the interpreter's exit, not by the program
         self._failed: str | None = None  # set by the first CollectiveError: the session is unusable
         self._buckets: overlap.Buckets | None = None  # reduction buckets filled during backward, once asked for
         self._bucket_watchdog: guard.Watchdog | None = None  # watches the buckets' communication thread
@@ -355,7 +357,7 @@ class DataParallel:
         if self._exact is not None:
             self._exact.words(self._window_frame)
         try:
-            rows = records.agree(self._comm, self._window_frame, error, f"{operation}: exchange", self._judge, Window.AGREED)
+            rows = self._agree(self._window_frame, error, f"{operation}: exchange", self._judge, Window.AGREED)
             global_weight, key = Window.facts(rows, self._slots.words)
             _check_global_weight(global_weight)
             facts = None if self._exact is None else self._exact.facts(rows)
@@ -642,7 +644,7 @@ class DataParallel:
             frame = self._frame.new(records.JOIN)
             frame[records.Join.HAS] = not done
             try:
-                rows = records.agree(self._comm, frame, error, f"join (step {step}): does any rank have a batch")
+                rows = self._agree(frame, error, f"join (step {step}): does any rank have a batch")
             except ContractError as e:
                 if cause is not None:
                     raise e from cause
@@ -668,7 +670,7 @@ class DataParallel:
                     frame[records.Verify.CRCS + k] = zlib.crc32(layout.crc_bytes(arrays.view(self._arrays[i])))
         except Exception as e:  # noqa: BLE001 - reported to every rank, never raised alone
             error = f"could not read the parameters: {type(e).__name__}: {e}"
-        rows = records.agree(self._comm, frame, error, "verify_replicas")
+        rows = self._agree(frame, error, "verify_replicas")
         crcs = records.Verify.crcs(rows, len(self._heads))
         differ = crcs != crcs[self._root]
         if differ.any():
@@ -679,11 +681,30 @@ class DataParallel:
                 f"replicas differ from root {self._root} on rank(s) {', '.join(map(str, ranks))}: parameter(s) {shown}"
             )
 
+    def _agree(self, frame: np.ndarray, error: str | None, operation: str, judge: records.Judge | None = None, agreed: int = records.BODY) -> Any:
+        """:func:`records.agree` on this session; where a rank is in :meth:`close`, every rank closes, then raises (collective)."""
+        try:
+            return records.agree(self._comm, frame, error, operation, judge, agreed)
+        except records.OperationsDiffer as e:
+            if e.closing:
+                self._closing = True
+                self.close()
+            raise ContractError(str(e)) from None  # the user's error type, as for every other refusal
+
     def close(self) -> None:
-        """Free the private communicator (collective). Idempotent."""
+        """Agree that every rank closes, then free the private communicator (collective). Idempotent.
+
+        A rank in another mpidp operation meanwhile (it made a ``reduce`` this
+        rank skipped, or called one alone) is one ContractError on every rank,
+        naming where each rank is; the session is closed on every rank then
+        (here after freeing what it holds). A session still open when the
+        interpreter exits is closed then, before MPI is finalized.
+        """
         if self._closed:
             return
+        error = self._agree_close()
         self._closed = True
+        guard.forget_at_exit(self)
         self._cache.forget()  # release the last windows' gradient arrays
         try:
             if self._buckets is not None:
@@ -697,6 +718,28 @@ class DataParallel:
         finally:
             if self._watchdog is not None:
                 self._watchdog.close()
+        if error is not None:
+            raise error
+
+    def _agree_close(self) -> DataParallelError | None:
+        """Agree with every rank that the session closes (collective): the error to raise once closed, or None."""
+        if self._failed is not None or self._closing:  # a broken session frees what it can; a closing rank was heard
+            return None
+        try:
+            frame = self._frame.new(records.CLOSE)
+            frame[records.Close.AT_EXIT] = self._exiting
+            records.agree(self._comm, frame, None, "close: agreement")
+        except CollectiveError as e:
+            self._failed = str(e)
+            return e
+        except ContractError as e:  # ranks in different operations: closed on every rank
+            return ContractError(str(e))
+        return None
+
+    def _close_at_exit(self) -> None:
+        """:meth:`close`, from the interpreter's exit (the other ranks' error then says so)."""
+        self._exiting = True
+        self.close()
 
     def __enter__(self) -> DataParallel:  # noqa: PYI034 - Self needs Python 3.11
         """Return this session (local)."""
@@ -740,10 +783,7 @@ def start(
         raise
     watchdog = dogs[0] if dogs else None
     try:
-        world = _mpi.world()
-        warning = launch.check_world(world.size, world.library)
-        if warning is not None:
-            warnings.warn(warning, launch.LaunchWarning, stacklevel=3)
+        _warn_launch(c.rank == root)
         local = checks.setup(c, params, root, frozen, options, regions, setup_error)  # check locally
         everyone = records.agree(c, local.setup, local.error, "initialize: agreement")  # agree
         self = DataParallel(c, params, local, watchdog)
@@ -757,8 +797,20 @@ def start(
                 watchdog.close()
         raise
     if c.size > 1:  # the latest session decides, for the process
-        guard.install_abort_hook(world.rank, bool(options["abort_on_exception"]))
+        guard.install_abort_hook(_mpi.world().rank, bool(options["abort_on_exception"]))
+    guard.close_at_exit(self, self._close_at_exit)
     return self
+
+
+def _warn_launch(root: bool) -> None:
+    """Warn (at initialize's caller) of a world of 1 the launcher meant larger, and, on root, once, of unknown MPIDP_ names."""
+    world = _mpi.world()
+    warning = launch.check_world(world.size, world.library)
+    if warning is not None:
+        warnings.warn(warning, launch.LaunchWarning, stacklevel=4)
+    unknown = launch.unknown_variables_once() if root else None  # root's word: once per job
+    if unknown is not None:
+        warnings.warn(unknown, launch.VariableWarning, stacklevel=4)
 
 
 def broadcast_regions(dp: DataParallel, regions: checks.ByteRegions, operation: str) -> None:
@@ -770,7 +822,7 @@ def broadcast_regions(dp: DataParallel, regions: checks.ByteRegions, operation: 
     dp._usable()  # a closed or broken session says so, on every rank alike
     frame = dp._frame.new(records.REGIONS)
     frame[records.RegionsRecord.DIGEST] = records.RegionsRecord.digest(regions.entries)
-    rows = records.agree(dp._comm, frame, regions.error, f"{operation}: agreement")
+    rows = dp._agree(frame, regions.error, f"{operation}: agreement")
     if records.RegionsRecord.differ(rows):  # every rank holds the same rows: all fetch the entries, or none
         sent = dp._comm.allgather_obj(tuple(tuple(r) for r in regions.entries), f"{operation}: entries")
         records.refuse(records.regions_disagreement(records.RegionsRecord.decode(sent)))
@@ -794,7 +846,7 @@ def _check_weight(local_weight: Any, policy: Any, error: str | None) -> tuple[in
 
 
 #: what every "changed after initialize" error tells the user to do
-REBUILD = "; build a new DataParallel after changing the model (mpidp does not follow a model changed after wrapping)"
+REBUILD = "; build a new DataParallel after changing the model (mpidp does not follow a model changed after it was built)"
 
 
 def _changes(was: arrays.ArrayInfo | None, now: arrays.ArrayInfo | None) -> str:

@@ -1,7 +1,8 @@
-"""Abort the MPI job on an uncaught exception; the collective watchdog, on by default (MPI through :mod:`mpidp.comm`)."""
+"""Abort the MPI job on an uncaught exception; the collective watchdog; close at exit (MPI through :mod:`mpidp.comm`)."""
 
 from __future__ import annotations
 
+import atexit
 import faulthandler
 import math
 import os
@@ -9,12 +10,16 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from types import TracebackType
+from typing import Any
 
 from . import comm as _mpi
 from .comm import Communicator
 
-__all__ = ["DEFAULT_TIMEOUT", "Watchdog", "fatal", "install_abort_hook", "resolve_timeout", "timeout_from_env"]
+__all__ = [
+    "DEFAULT_TIMEOUT", "Watchdog", "close_at_exit", "fatal", "forget_at_exit", "install_abort_hook", "resolve_timeout", "timeout_from_env",
+]
 
 #: the watchdog's seconds when neither ``timeout=`` nor ``MPIDP_TIMEOUT`` says otherwise: 30 minutes,
 #: torch.distributed's default collective timeout, so that no hang is silent by default
@@ -60,6 +65,62 @@ def install_abort_hook(rank: int, enabled: bool = True) -> None:
 
     sys.excepthook = hook
     _installed = True
+
+
+#: how to close each session not closed yet, in the order they were made (the same on every rank: initialize is collective)
+_open: dict[int, Callable[[], None]] = {}
+_exit_registered = False
+#: the process the sessions belong to: a forked child (a data-loader worker) closes nothing
+_owner = os.getpid()
+
+
+def close_at_exit(session: Any, close: Callable[[], None]) -> None:
+    """Call ``close`` when the interpreter exits, if the program has not closed ``session`` (local; the close is collective).
+
+    The close agrees with the other ranks like every other: a rank that
+    ends its script while another waits in a ``reduce`` it skipped is one
+    ContractError on every rank at once, not a wait for the watchdog. The
+    hook is a Python ``atexit`` function: Python runs those before the
+    C-level exit functions, among them mpi4py's ``MPI_Finalize``. The
+    session is held (strongly: every rank must close the same sessions)
+    until :func:`forget_at_exit` says it is closed.
+    """
+    global _exit_registered, _owner
+    _open[id(session)] = close
+    _owner = os.getpid()
+    if not _exit_registered:
+        atexit.register(_close_at_exit)
+        _exit_registered = True
+
+
+def forget_at_exit(session: Any) -> None:
+    """The session is closed: nothing to do at exit (local)."""
+    _open.pop(id(session), None)
+
+
+def _close_at_exit() -> None:
+    """Close every session still open, the newest first (collective); an error aborts the job, as an uncaught one would."""
+    sessions = list(_open.values())[::-1]
+    _open.clear()
+    if not sessions or os.getpid() != _owner or _mpi.finalized():  # a forked child; MPI finalized by the program
+        return
+    first: Exception | None = None
+    for close in sessions:
+        try:
+            close()
+        except Exception as e:  # noqa: BLE001 - the others are closed still; the first is raised below
+            rank = _mpi.world().rank
+            sys.stderr.write(f"mpidp: closing a session left open at exit failed on rank {rank}: {type(e).__name__}: {e}\n")
+            sys.stderr.flush()
+            first = first or e
+    if first is None:
+        return
+    if _installed and _enabled:  # as for an uncaught exception: the job fails, whatever the other ranks do next
+        sys.stderr.write(f"mpidp: aborting the MPI job from rank {_mpi.world().rank}\n")
+        sys.stderr.flush()
+        time.sleep(_FORWARD_SECONDS)
+        _mpi.abort(1)
+    raise first
 
 
 def fatal(rank: int, where: str, error: BaseException) -> None:

@@ -1,20 +1,48 @@
-"""Detect a job whose ranks all started as singletons: a world of 1 the launcher meant to be larger.
+"""Check what the launch left in the environment: a world of 1 the launcher meant larger, misspelt MPIDP_ names.
 
 ``srun`` without the process-management interface (PMI) the MPI library
 speaks, or an ``mpiexec`` that belongs to another MPI than the one mpi4py
 uses, starts N independent processes that each see a world of one and train
 alone. Nothing fails; the job is N times slower and writes N copies of
 everything. The launchers leave their intended size in the environment, so
-this module compares it with what MPI reports. Pure: reads environment
-variables only and imports no MPI.
+this module compares it with what MPI reports. A variable under mpidp's
+prefix that nothing of mpidp reads (``MPIDP_TIMOUT``, ``mpidp_timeout``)
+would otherwise be ignored in silence: :func:`unknown_variables` names it,
+with the closest known name. Pure: reads environment variables only and
+imports no MPI.
 """
 
 from __future__ import annotations
 
+import difflib
 import os
 from collections.abc import Mapping
 
-__all__ = ["LaunchWarning", "check_world"]
+__all__ = ["LaunchWarning", "VariableWarning", "check_world", "unknown_variables"]
+
+#: the ``MPIDP_`` variables the library reads (docs/environment.md)
+LIBRARY_VARIABLES = (
+    "MPIDP_TIMEOUT",  # the watchdog (mpidp.guard)
+    "MPIDP_REDUCTION",  # how host calls are summed (mpidp.checks)
+    "MPIDP_CUDA_AWARE",  # device buffers to MPI or staged (mpidp.cuda)
+    "MPIDP_CASTS",  # whose 16-bit casts a session uses (mpidp.checks, mpidp.casts)
+)
+#: the ``MPIDP_`` variables of the project's scripts, tests and benchmarks: set legitimately, never warned about
+TOOL_VARIABLES = (
+    "MPIDP_VENV",  # scripts/venv.sh, scripts/slurm/train.sbatch
+    "MPIDP_WHEELS",  # scripts/gpu-check
+    "MPIDP_PREFIX",  # scripts/gpu-check
+    "MPIDP_RANKS",  # scripts/demo, scripts/gpu-check
+    "MPIDP_SRUN_MPI",  # scripts/slurm/train.sbatch
+    "MPIDP_EXAMPLE",  # scripts/demo
+    "MPIDP_CPU_TARGETS",  # scripts/gpu-check
+    "MPIDP_FAKE_SCHEDULE",  # tests/fakegpu
+    "MPIDP_FAKE_GPUS",  # tests/fakegpu
+    "MPIDP_TEST_RANKS",  # scripts/test
+    "MPIDP_TEST_TIMEOUT",  # tests/conftest.py
+    "MPIDP_SOAK_WINDOWS",  # tests/test_soak.py
+)
+PREFIX = "MPIDP_"
 
 #: Set by the MPI process manager that started this process; its word wins.
 MPI_SIZE_VARIABLES = (
@@ -32,8 +60,42 @@ SCHEDULER_SIZE_VARIABLES = (
 )
 
 
+_reported = False
+
+
 class LaunchWarning(RuntimeWarning):
     """The launcher asked for more processes than MPI sees (the ranks are singletons)."""
+
+
+class VariableWarning(UserWarning):
+    """An environment variable under mpidp's prefix that mpidp does not read (misspelt, or lower-case)."""
+
+
+def unknown_variables(environ: Mapping[str, str] | None = None) -> str | None:
+    """Return a warning naming every ``MPIDP_*`` variable (any case) mpidp does not know, with the closest known name.
+
+    Local: reads ``environ`` (default ``os.environ``). The names of the
+    project's own scripts and tests (:data:`TOOL_VARIABLES`) are known too.
+    None when there is nothing to report.
+    """
+    env = os.environ if environ is None else environ
+    known = LIBRARY_VARIABLES + TOOL_VARIABLES
+    unknown = sorted(name for name in env if name.upper().startswith(PREFIX) and name not in known)
+    if not unknown:
+        return None
+    hints = []
+    for name in unknown:
+        upper = name.upper()
+        if upper in known:
+            hint = f" (names are upper-case: {upper})"
+        else:  # the part after the prefix decides: every name shares the prefix
+            close = difflib.get_close_matches(upper[len(PREFIX) :], [k[len(PREFIX) :] for k in known], n=1, cutoff=0.6)
+            hint = f" (did you mean {PREFIX}{close[0]}?)" if close else ""
+        hints.append(f"{name}{hint}")
+    return (
+        f"mpidp: ignoring {', '.join(hints)}: mpidp reads no such environment variable. "
+        f"It reads {', '.join(LIBRARY_VARIABLES)} (docs/environment.md)."
+    )
 
 
 def _size(environ: Mapping[str, str], name: str) -> int | None:
@@ -85,13 +147,11 @@ def _srun_fix(flavour: str | None) -> str:
 def check_world(size: int, library: str | None = None, environ: Mapping[str, str] | None = None) -> str | None:
     """Return a warning if MPI sees a world of ``size`` 1 while the launcher says otherwise.
 
-    Local: reads environment variables, no communication. ``size`` is the
-    size of ``MPI.COMM_WORLD``; ``library`` is ``MPI.Get_library_version()``
-    (optional; it makes the suggested fix specific); ``environ`` defaults to
-    ``os.environ``. Returns None when there is nothing to report: a world
-    larger than one, no launcher variable, or a launcher that asked for one
-    process. Otherwise the text names the variable, its value and the likely
-    fix.
+    Local: reads environment variables, no communication. ``size`` is the size of ``MPI.COMM_WORLD``;
+    ``library`` is ``MPI.Get_library_version()`` (optional; it makes the suggested fix specific);
+    ``environ`` defaults to ``os.environ``. Returns None when there is nothing to report: a world
+    larger than one, no launcher variable, or a launcher that asked for one process. Otherwise the
+    text names the variable, its value and the likely fix.
     """
     if isinstance(size, bool) or not isinstance(size, int) or size < 1:
         raise ValueError(f"size must be a positive int, got {size!r}")
@@ -133,3 +193,12 @@ def check_world(size: int, library: str | None = None, environ: Mapping[str, str
     if "SLURM_JOB_ID" in env:
         fix += f" Under Slurm, {_srun_fix(flavour)}."
     return fix
+
+
+def unknown_variables_once() -> str | None:
+    """:func:`unknown_variables` of ``os.environ`` the first time this process asks, then None (local)."""
+    global _reported
+    if _reported:
+        return None
+    _reported = True
+    return unknown_variables()

@@ -6,7 +6,7 @@ exchanges one fixed-size frame of unsigned 64-bit words, the same length
 for every operation of the session, so that ranks in different operations
 still match in MPI and learn that they are::
 
-    word 0   KIND     which operation: WINDOW (reduce), VERIFY, REGIONS (broadcast_buffers), JOIN
+    word 0   KIND     which operation: WINDOW (reduce), VERIFY, REGIONS (broadcast_buffers), JOIN, CLOSE
     word 1   ERROR    1 when this rank found an error before the exchange
     word 2.. body     the operation's own fields, named by its class (:class:`Window`, ...)
 
@@ -15,6 +15,10 @@ exchanges the records and raises the same ContractError on every rank when
 ranks are in different operations, any rank reported an error (the first
 such rank's text; a frame fetches the texts only then), or the records
 disagree on what must be equal. After it returns no rank can diverge.
+Ranks in different operations raise :class:`OperationsDiffer`, which names
+every rank's operation and says whether one of them is ``close``: then the
+session closes on every rank (``close`` takes part in the agreement so that
+a rank that skipped or added a call is an error at once, not a hang).
 Everything but :func:`agree` is pure: tests build tables by hand.
 """
 
@@ -35,14 +39,14 @@ if TYPE_CHECKING:
     from .comm import Communicator
 
 __all__ = [
-    "JOIN", "REGIONS", "U64_MAX", "VERIFY", "WINDOW", "Frame", "Join", "RegionsRecord", "Setup", "Verify", "Window", "agree",
-    "regions_disagreement",
+    "CLOSE", "JOIN", "REGIONS", "U64_MAX", "VERIFY", "WINDOW", "Close", "Frame", "Join", "OperationsDiffer", "RegionsRecord", "Setup",
+    "Verify", "Window", "agree", "regions_disagreement",
 ]
 
 U64_MAX = (1 << 64) - 1
 #: operation kinds (word 0 of a frame)
-WINDOW, VERIFY, REGIONS, JOIN = 1, 2, 3, 4
-OPERATIONS = {WINDOW: "reduce", VERIFY: "verify_replicas", REGIONS: "broadcast_buffers", JOIN: "join"}
+WINDOW, VERIFY, REGIONS, JOIN, CLOSE = 1, 2, 3, 4, 5
+OPERATIONS = {WINDOW: "reduce", VERIFY: "verify_replicas", REGIONS: "broadcast_buffers", JOIN: "join", CLOSE: "close"}
 #: the words every frame starts with
 KIND, ERROR, BODY = 0, 1, 2
 
@@ -232,6 +236,12 @@ class Join:
         return any(r[Join.HAS] for r in rows)
 
 
+class Close:
+    """The close record: whether this rank closes at interpreter exit (its script ended) or was asked to."""
+
+    AT_EXIT = BODY
+
+
 class RegionsRecord:
     """The broadcast_buffers record: a digest of the named regions every rank must hold alike."""
 
@@ -264,8 +274,8 @@ def agree(
 
     Collective: every rank must call it. ``mine`` is a :class:`Setup`
     (returns every rank's) or a frame (returns every rank's as Python ints).
-    ``error`` is this rank's local error. Raises when ranks are in different
-    operations, then for the first rank that reported an error (``rank r:
+    ``error`` is this rank's local error. Raises :class:`OperationsDiffer`
+    when ranks are in different operations, then for the first rank that reported an error (``rank r:
     ...``), then what ``judge`` finds (for a Setup: :meth:`Setup.disagreement`).
     Frame words ``[0, agreed)`` must be equal on every rank; ``judge`` is
     asked only when they are not (the usual exchange costs one comparison
@@ -281,18 +291,66 @@ def agree(
     rows: Rows = comm.Allgather(mine, operation).tolist()
     head = rows[0][:agreed]
     if head[ERROR] or any(r[:agreed] != head for r in rows):
-        other = first_different([r[KIND] for r in rows])
-        if other is not None:
-            raise ContractError(
-                f"ranks are in different mpidp operations: rank 0 in {OPERATIONS.get(head[KIND], '?')}, "
-                f"rank {other} in {OPERATIONS.get(rows[other][KIND], '?')}"
-            )
+        if first_different([r[KIND] for r in rows]) is not None:
+            raise OperationsDiffer(rows)
         if any(r[ERROR] for r in rows):
             _raise_first_error(comm.allgather_obj(error, f"{operation}: error texts"))
             raise ContractError("ranks disagree on whether an error occurred")  # pragma: no cover - records misread
         refuse(None if judge is None else judge(rows))
         raise ContractError("ranks sent records that disagree")  # pragma: no cover - a judge that finds nothing
     return rows
+
+
+class OperationsDiffer(ContractError):
+    """Ranks are in different mpidp operations (every rank raises it alike, from the same kinds).
+
+    The text names rank 0's operation and the first rank in another, then,
+    at more than two ranks, where every rank is. :attr:`closing` is whether
+    a rank is in ``close``: the session then closes on every rank (the
+    closing rank asked for it; the others cannot go on without it).
+    """
+
+    def __init__(self, rows: Rows) -> None:
+        self.kinds = tuple(r[KIND] for r in rows)
+        self.closing = CLOSE in self.kinds
+        name = [_operation(r) for r in rows]
+        other = first_different(self.kinds) or 0
+        text = f"ranks are in different mpidp operations: rank 0 in {name[0]}, rank {other} in {name[other]}"
+        if len(self.kinds) > 2:
+            text += f" (every rank: {everyone(name)})"
+        if self.closing:
+            text += (
+                "; every rank must make the same mpidp calls in the same order (did a rank skip a reduce, "
+                "or call one alone?); the session is now closed on every rank"
+            )
+        super().__init__(text)
+
+
+def _operation(row: Sequence[int]) -> str:
+    """The name of the operation a rank's frame is of."""
+    if row[KIND] == CLOSE and row[Close.AT_EXIT]:
+        return "close (at interpreter exit: its script ended)"
+    return OPERATIONS.get(row[KIND], "?")
+
+
+def everyone(names: Sequence[str]) -> str:
+    """Where every rank is, by operation in order of first appearance: ``reduce on ranks 0-2, close on rank 3``."""
+    ranks: dict[str, list[int]] = {}
+    for rank, name in enumerate(names):
+        ranks.setdefault(name, []).append(rank)
+    return ", ".join(f"{name} on {_ranks(r)}" for name, r in ranks.items())
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    """``rank 3``, ``ranks 0-2, 5``: consecutive runs as ranges."""
+    runs: list[list[int]] = []
+    for r in ranks:
+        if runs and runs[-1][1] == r - 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    text = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+    return f"rank {text}" if len(ranks) == 1 else f"ranks {text}"
 
 
 def refuse(why: str | None) -> None:

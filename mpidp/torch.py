@@ -52,7 +52,7 @@ class DataParallel:
     names, shapes, dtypes, frozen flags and ties; buffer names, shapes and
     dtypes), then broadcasts parameters and buffers from ``root`` in place:
     tensors keep their identity, so an optimizer created before or after the
-    wrapper keeps working. float32, float16 and bfloat16 parameters; every
+    DataParallel keeps working. float32, float16 and bfloat16 parameters; every
     gradient is summed in float32.
 
     ``flat_parameters=True`` first moves the parameters' data into flat
@@ -66,7 +66,10 @@ class DataParallel:
     (:mod:`mpidp.torch_overlap`): gradients go into float32 buckets of
     ``bucket_bytes`` (default ``chunk_bytes``) as autograd finishes them;
     :meth:`reduce` then finishes them, with the plain path's results bit for
-    bit. Run the backward passes of a window but the last under
+    bit for 16-bit gradients and for float32 ones the plain path sums with an
+    Allreduce; where it reduce-scatters float32 (calls of 262,144 values or
+    more at 3 or more ranks) the sums can differ in their last bits, still
+    the same on every rank. Run the backward passes of a window but the last under
     :meth:`no_sync`. ``overlap="hooks"``: the gradient hooks start and
     progress non-blocking calls; ``overlap="thread"``: a communication thread
     sums each bucket with blocking calls while backward goes on (needs
@@ -99,7 +102,7 @@ class DataParallel:
         bucket_bytes: int | None = None,
         exact: bool = False,
     ) -> None:
-        self.module = model
+        self._module = model
         error = _check_module(model)
         regions = _regions(_buffers(model) if error is None else [])
         if bucket_bytes is None:
@@ -160,6 +163,11 @@ class DataParallel:
     def trainable(self) -> tuple[str, ...]:
         """The name that heads each trainable tie group, in reduce order."""
         return self._core.trainable
+
+    @property
+    def module(self) -> torch.nn.Module:
+        """The model it was built for, the same object (local): it is not wrapped, so keep calling it directly."""
+        return self._module
 
     # ------------------------------------------------------------------ window
 

@@ -153,9 +153,10 @@ def test_a_session_reads_its_strategy_from_the_environment(monkeypatch: pytest.M
 
     monkeypatch.delenv("MPIDP_CASTS", raising=False)
     assert checks.cast_strategy() == (Casts("auto"), None)
-    monkeypatch.setenv("MPIDP_CASTS", " NumPy ")
+    variable = "MPIDP_CASTS"
+    monkeypatch.setenv(variable, " NumPy ")  # case and blanks do not matter
     assert checks.cast_strategy() == (Casts("numpy"), None)
-    monkeypatch.setenv("MPIDP_CASTS", "torch")
+    monkeypatch.setenv(variable, "torch")
     assert checks.cast_strategy() == (casts.DEFAULT, "MPIDP_CASTS must be one of auto, numba, numpy, got 'torch'")
     monkeypatch.setattr(packing, "NUMBA_CASTS", False, raising=False)  # an earlier release's switch, set by a user
     with pytest.warns(UserWarning, match="NUMBA_CASTS are no longer read: set MPIDP_CASTS=numba or numpy"):

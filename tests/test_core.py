@@ -103,6 +103,69 @@ def test_ranks_in_different_operations_raise_everywhere(comm: MPI.Comm, dp: Any)
     )
 
 
+CLOSING = "every rank must make the same mpidp calls in the same order"
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("operation", ["reduce", "join", "verify_replicas", "broadcast_regions"])
+def test_a_rank_in_close_while_others_are_in_another_operation_closes_every_rank(comm: MPI.Comm, operation: str) -> None:
+    """``if rank == 0: dp.reduce(...)`` then ``close()``: one ContractError everywhere at once, the session closed everywhere."""
+    params = model(100 + comm.rank)
+    dp = mpidp.DataParallel.initialize(params, comm, frozen=["frozen"])
+    grads = grads_for(params, np.random.default_rng(comm.rank))
+    before = {k: v.copy() for k, v in grads.items()}
+    calls = {
+        "reduce": lambda: dp.reduce(grads, 1),
+        "join": lambda: list(dp.join([1, 2])),
+        "verify_replicas": dp.verify_replicas,
+        "broadcast_regions": lambda: mpidp.core.broadcast_regions(dp, mpidp.checks.NO_REGIONS, "broadcast_buffers"),
+    }
+    name = "broadcast_buffers" if operation == "broadcast_regions" else operation
+    call = calls[operation] if comm.rank == 0 else dp.close
+    every = "" if comm.size == 2 else f" (every rank: {name} on rank 0, close on ranks 1-{comm.size - 1})"
+    same_error_everywhere(
+        comm, call, ContractError, f"ranks are in different mpidp operations: rank 0 in {name}, rank 1 in close{every}; ", CLOSING,
+        "the session is now closed on every rank",
+    )
+    assert dp._closed and dp._comm.comm == MPI.COMM_NULL  # freed on every rank
+    assert dp._watchdog is not None and dp._watchdog._stop.is_set()  # the watchdog stopped
+    assert all(np.array_equal(before[k], grads[k]) for k in grads)  # nothing moved
+    dp.close()  # idempotent: nothing to agree on any more
+    same_error_everywhere(comm, lambda: dp.reduce(grads, 1), ContractError, "this DataParallel is closed")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_an_extra_reduce_before_close_is_an_error_at_once(comm: MPI.Comm) -> None:
+    """The last rank reduces once more than the others, which close (or leave a ``with`` block): no wait for the watchdog."""
+    import time
+
+    last = comm.size - 1
+    with mpidp.DataParallel.initialize(model(0), comm, frozen=["frozen"]) as dp:
+        grads = grads_for(model(0), np.random.default_rng(0))
+        dp.reduce(grads, 1)
+        start = time.monotonic()
+
+        def run() -> None:
+            with dp:  # __exit__ is the close
+                if comm.rank == last:
+                    dp.reduce(grads, 1)
+
+        message = same_error_everywhere(comm, run, ContractError, f"rank 0 in close, rank {last} in reduce", CLOSING)
+        assert time.monotonic() - start < 5, message
+    assert dp._closed
+
+
+def test_close_agrees_even_alone(comm: MPI.Comm) -> None:
+    """A clean close is one agreement, then the frees (every rank in close: no error)."""
+    dp = mpidp.DataParallel.initialize(model(0), comm)
+    seen: list[str] = []
+    allgather = dp._comm.Allgather
+    dp._comm.Allgather = lambda record, operation: seen.append(operation) or allgather(record, operation)
+    dp.close()
+    assert seen == ["close: agreement"]
+    assert dp._comm.comm == MPI.COMM_NULL
+
+
 def test_verify_replicas_compares_with_the_root(comm: MPI.Comm) -> None:
     root = comm.size - 1
     params = model(comm.rank)

@@ -66,12 +66,45 @@ def test_watchdog_aborts_a_rank_that_skipped_a_reduce() -> None:
     assert after <= 3 + 5, f"the job took {after:.1f} s to end after the skip"
 
 
-def test_watchdog_aborts_a_rank_left_alone_in_a_reduce_after_the_others_closed() -> None:
-    """Reduce twice, then close: the rank with the extra call is watched until the job ends (no silent hang)."""
-    code, out, after = job("extra", MPIDP_TIMEOUT="3")
+@pytest.mark.parametrize(("mode", "reducing"), [("extra", 3), ("one", 0)])
+def test_a_reduce_the_others_do_not_make_before_close_is_one_error_everywhere_at_once(mode: str, reducing: int) -> None:
+    """One rank reduces once more, the others close: every rank raises the same ContractError, long before the watchdog."""
+    code, out, after = job(mode, MPIDP_TIMEOUT="600")
     assert code != 0, out
-    assert re.search(r"mpidp watchdog: rank 3 has waited [\d.]+ s in reduce \(window 21\): exchange", out), out
-    assert after <= 3 + 5, f"the job took {after:.1f} s to end after the extra reduce"
+    closing = 1 if reducing == 0 else 0
+    first, second = sorted([(reducing, "reduce"), (closing, "close")])
+    where = f"rank {first[0]} in {first[1]}, rank {second[0]} in {second[1]}"
+    assert re.search(r"mpidp: uncaught ContractError on rank \d; aborting the MPI job", out), out  # the first to abort ends the job
+    assert f"ContractError: ranks are in different mpidp operations: {where}" in out, out
+    assert "the session is now closed on every rank" in out, out
+    assert "watchdog" not in out, out
+    assert after <= 5, f"the job took {after:.1f} s to end after the extra reduce"
+
+
+def test_a_script_that_ends_while_another_rank_reduces_is_one_error_everywhere_at_once() -> None:
+    """The session left open is closed at interpreter exit, and that close agrees with rank 3's extra reduce."""
+    code, out, after = job("exit", MPIDP_TIMEOUT="600")
+    assert code != 0, out
+    where = "rank 0 in close (at interpreter exit: its script ended), rank 3 in reduce"
+    assert "mpidp: uncaught ContractError on rank 3; aborting the MPI job" in out, out
+    assert f"ContractError: ranks are in different mpidp operations: {where}" in out, out
+    assert re.search(r"mpidp: closing a session left open at exit failed on rank [012]: ContractError: ranks are in different", out), out
+    assert "watchdog" not in out, out
+    assert after <= 5, f"the job took {after:.1f} s to end after the extra reduce"
+
+
+def test_a_session_left_open_is_closed_at_exit_before_mpi_is_finalized() -> None:
+    code, out, _ = job("exit-clean")
+    assert code == 0, out
+    assert out.count("at exit closed=True freed=True") == 4, out
+    assert "mpidp:" not in out, out
+
+
+def test_nothing_is_closed_at_exit_after_the_program_finalized_mpi_itself() -> None:
+    code, out, _ = job("finalize-first")
+    assert code == 0, out
+    assert out.count("done, not closed") == 4, out
+    assert "mpidp:" not in out and "Traceback" not in out, out
 
 
 @pytest.mark.parametrize("mode", ["late", "raise-early"])
@@ -89,8 +122,8 @@ def test_watchdog_is_armed_while_initialize_waits(mode: str) -> None:
     [
         # the PyTorch adapter's own collectives (its buffers) are watched like the core's
         ("skip-buffers", r"broadcast_buffers: agreement"),
-        # overlap=True: the buckets' calls started in backward are waited for under the session's watchdog
-        ("skip-overlap", r"close: Iallreduce"),
+        # overlap=True: close agrees first (the buckets' calls started in backward wait meanwhile)
+        ("skip-overlap", r"close: agreement"),
         # overlap='thread': the thread's blocking calls are watched by the buckets' own watchdog (the session's timeout)
         ("skip-overlap-thread", r"reduce: Allreduce \(communication thread\)"),
     ],

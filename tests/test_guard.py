@@ -111,3 +111,73 @@ def test_a_closed_watchdog_stops_its_thread() -> None:
     dog._thread.join(timeout=5)
     assert not dog._thread.is_alive()
     assert not any(t.name == "mpidp-watchdog" and t is dog._thread for t in threading.enumerate())
+
+
+# ------------------------------------------------------------- close at exit
+
+
+@pytest.fixture
+def sessions(monkeypatch: pytest.MonkeyPatch, aborts: list[int]) -> list[str]:
+    """An empty table of open sessions, restored afterwards; the MPI calls of the exit hook replaced."""
+    monkeypatch.setattr(guard, "_open", {})
+    monkeypatch.setattr(guard, "_exit_registered", True)  # the real process's hook stays as it is
+    monkeypatch.setattr(guard._mpi, "finalized", lambda: False)
+    monkeypatch.setattr(guard._mpi, "world", lambda: guard._mpi.World(1, 2, "test"))
+    return []
+
+
+class Session:
+    def __init__(self, name: str, closed: list[str], fails: bool = False) -> None:
+        self.name, self.closed, self.fails = name, closed, fails
+        guard.close_at_exit(self, self.close)
+
+    def close(self) -> None:
+        self.closed.append(self.name)
+        guard.forget_at_exit(self)
+        if self.fails:
+            raise guard._mpi.ContractError(f"{self.name} met a rank in reduce")
+
+
+def test_sessions_left_open_are_closed_at_exit_newest_first(sessions: list[str], aborts: list[int]) -> None:
+    a, b, c = Session("a", sessions), Session("b", sessions), Session("c", sessions)
+    b.close()  # closed by the program: not again at exit
+    guard._close_at_exit()
+    assert sessions == ["b", "c", "a"] and not guard._open and not aborts
+    assert [a, c]  # (held until then: every rank must close the same sessions)
+
+
+def test_an_error_at_exit_closes_the_others_then_aborts_as_an_uncaught_one_would(
+    sessions: list[str], aborts: list[int], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(guard, "_installed", True)
+    monkeypatch.setattr(guard, "_enabled", True)
+    Session("a", sessions), Session("b", sessions, fails=True)
+    with pytest.raises(guard._mpi.ContractError):  # (the real abort does not return)
+        guard._close_at_exit()
+    assert sessions == ["b", "a"] and aborts == [1]
+    err = capsys.readouterr().err
+    assert "mpidp: closing a session left open at exit failed on rank 1: ContractError: b met a rank in reduce" in err
+    assert "mpidp: aborting the MPI job from rank 1" in err
+
+
+def test_without_the_abort_hook_an_error_at_exit_is_raised(sessions: list[str], aborts: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(guard, "_enabled", False)
+    Session("a", sessions, fails=True), Session("b", sessions)
+    with pytest.raises(guard._mpi.ContractError, match="a met a rank in reduce"):  # atexit prints it
+        guard._close_at_exit()
+    assert sessions == ["b", "a"] and not aborts
+
+
+def test_nothing_is_closed_at_exit_once_mpi_is_finalized(sessions: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(guard._mpi, "finalized", lambda: True)
+    Session("a", sessions)
+    guard._close_at_exit()
+    assert sessions == [] and not guard._open
+
+
+def test_a_forked_child_closes_nothing_at_exit(sessions: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A data-loader worker forked from a rank inherits the exit hook, and must not call MPI."""
+    Session("a", sessions)
+    monkeypatch.setattr(guard, "_owner", guard._owner + 1)
+    guard._close_at_exit()
+    assert sessions == []

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import re
 import warnings
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -169,3 +172,80 @@ def test_initialize_warns_on_a_world_of_one_under_srun(monkeypatch: pytest.Monke
     assert len(found) == 1, [str(w.message) for w in caught]
     assert "SLURM_STEP_NUM_TASKS=4" in str(found[0].message)
     assert found[0].filename == __file__  # stacklevel points at the caller of initialize
+
+
+# ------------------------------------------------------------ MPIDP_ names mpidp does not read
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+# (names built here: a quoted misspelt name would count as a variable the project reads, for tests/test_readme.py)
+UP, LOW = "MPIDP_", "mpidp_"
+
+
+@pytest.mark.parametrize(
+    ("environ", "fragment"),
+    [
+        ({UP + "TIMOUT": "5"}, f"ignoring {UP}TIMOUT (did you mean MPIDP_TIMEOUT?): mpidp reads no such environment variable"),
+        ({LOW + "timeout": "5"}, f"ignoring {LOW}timeout (names are upper-case: MPIDP_TIMEOUT)"),
+        ({"Mpidp_Reduction": "allreduce"}, "ignoring Mpidp_Reduction (names are upper-case: MPIDP_REDUCTION)"),
+        ({UP + "CUDAAWARE": "1"}, f"ignoring {UP}CUDAAWARE (did you mean MPIDP_CUDA_AWARE?)"),
+        ({UP + "REDUCE": "x", UP + "TIMOUT": "1"}, f"ignoring {UP}REDUCE (did you mean MPIDP_REDUCTION?), {UP}TIMOUT (did you"),
+        ({UP + "XYZZY": "1"}, f"ignoring {UP}XYZZY: mpidp reads"),  # nothing close: no guess
+    ],
+)
+def test_unknown_mpidp_variables_are_named_with_the_closest_known_one(environ: dict[str, str], fragment: str) -> None:
+    text = launch.unknown_variables({"PATH": "/usr/bin", "MPIDP_TIMEOUT": "60", **environ})
+    assert text is not None and fragment in text, text
+    assert text.endswith("It reads MPIDP_TIMEOUT, MPIDP_REDUCTION, MPIDP_CUDA_AWARE, MPIDP_CASTS (docs/environment.md).")
+
+
+def test_the_names_of_the_library_and_of_the_projects_scripts_are_known() -> None:
+    every = {name: "1" for name in launch.LIBRARY_VARIABLES + launch.TOOL_VARIABLES}
+    assert launch.unknown_variables({**every, "MPIDPX": "1", "XMPIDP_TIMOUT": "1", "PATH": "/bin"}) is None
+
+
+def _names_in(paths: list[Any]) -> set[str]:
+    found: set[str] = set()
+    for path in paths:
+        found |= set(re.findall(r"\bMPIDP_[A-Z0-9_]*[A-Z0-9]\b", path.read_text(errors="replace")))
+    return found
+
+
+def test_every_variable_mpidp_reads_is_known_and_every_other_one_the_project_uses_is_too() -> None:
+    """The library's names, from its source; the scripts', tests' and benchmarks' names: none of them warns."""
+    library = _names_in([p for p in sorted((ROOT / "mpidp").rglob("*.py")) if p.name != "launch.py"])  # (the lists themselves)
+    assert library == set(launch.LIBRARY_VARIABLES), library ^ set(launch.LIBRARY_VARIABLES)
+    tools = [
+        p for d in ("scripts", "tests", "benchmarks") for p in (ROOT / d).rglob("*")
+        if p.is_file() and p.suffix in ("", ".py", ".sh", ".sbatch") and p.resolve() != Path(__file__).resolve()  # (misspellings on purpose)
+    ]
+    used = _names_in(tools) - {UP + "VARIANTS"}  # a list in tests/test_bench_smoke.py, not a variable
+    assert used <= set(launch.LIBRARY_VARIABLES + launch.TOOL_VARIABLES), used - set(launch.LIBRARY_VARIABLES + launch.TOOL_VARIABLES)
+    rows = [line.split("|")[1] for line in (ROOT / "docs" / "environment.md").read_text().splitlines() if line.startswith("|")]
+    documented = set(re.findall(r"\bMPIDP_[A-Z0-9_]*[A-Z0-9]\b", " ".join(rows)))  # the table's first column
+    assert documented == set(launch.LIBRARY_VARIABLES + launch.TOOL_VARIABLES), documented ^ set(launch.LIBRARY_VARIABLES + launch.TOOL_VARIABLES)
+
+
+@pytest.mark.mpi_skip  # a world of one: the process's first session warns
+def test_initialize_warns_once_about_a_misspelt_variable(tmp_path: Any) -> None:
+    """In a fresh process: the first session's root warns, pointing at the caller; the second session does not."""
+    import subprocess
+    import sys
+
+    from conftest import clean_env
+
+    script = tmp_path / "misspelt.py"
+    script.write_text(
+        "import warnings, numpy as np, mpidp\n"
+        "warnings.simplefilter('always')\n"
+        "with warnings.catch_warnings(record=True) as caught:\n"
+        "    mpidp.DataParallel.initialize({'w': np.zeros(3, np.float32)}).close()\n"
+        "    mpidp.DataParallel.initialize({'w': np.zeros(3, np.float32)}).close()\n"
+        "found = [w for w in caught if issubclass(w.category, mpidp.launch.VariableWarning)]\n"
+        "print(len(found), found[0].filename == __file__, found[0].message)\n"
+    )
+    p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60, check=False,
+                       env=clean_env(**{UP + "TIMOUT": "5", LOW + "reduction": "allreduce"}))
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.startswith(f"1 True mpidp: ignoring {UP}TIMOUT (did you mean MPIDP_TIMEOUT?), {LOW}reduction (names are"), p.stdout

@@ -19,9 +19,11 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -291,8 +293,18 @@ def test_skips_with_the_reason_where_hosts_cannot_be_made() -> None:
         assert p.returncode == expected, p
         assert re.fullmatch(r"multihost: skipped: needs (root|`ip` on PATH).*\n", p.stdout), p.stdout
     if os.geteuid() == 0 and Path("/usr/bin/setpriv").exists():
-        p = subprocess.run(["/usr/bin/setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, script,
-                            "test", "--", "2"], capture_output=True, text=True, env=clean_env(), timeout=60, check=False)
+        # an ordinary user may not reach the checkout (a clone under /root, a 0700 temporary directory), nor the
+        # virtual environment in it: a world-readable copy of the script (standard library only), run by the
+        # interpreter the environment was made from, in a directory of the copy's
+        with tempfile.TemporaryDirectory() as folder:
+            os.chmod(folder, 0o755)
+            copy = Path(folder) / "multihost.py"
+            shutil.copyfile(script, copy)
+            copy.chmod(0o644)
+            python = os.path.realpath(getattr(sys, "_base_executable", sys.executable))
+            p = subprocess.run(["/usr/bin/setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", python, "-I", str(copy),
+                                "test", "--", "2"], capture_output=True, text=True, env=clean_env(), timeout=60, check=False,
+                               cwd=folder)
         assert p.returncode == 0 and "multihost: skipped: needs root" in p.stdout, p
 
 

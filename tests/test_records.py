@@ -17,12 +17,16 @@ from mpidp import ContractError, MissingGradientPolicy
 from mpidp.comm import loads
 from mpidp.contract import Entry, Region
 from mpidp.records import (
+    CLOSE,
     ERROR,
+    JOIN,
     KIND,
     REGIONS,
     VERIFY,
     WINDOW,
+    Close,
     Frame,
+    OperationsDiffer,
     RegionsRecord,
     Setup,
     Verify,
@@ -64,7 +68,7 @@ def same_everywhere(size: int, run: Any) -> str:
 
 def test_setup_record_is_plain_data_by_name() -> None:
     encoded = setup().encode("oops")
-    assert sorted(encoded) == ["chunk_bytes", "contract", "error", "on_host", "reduction", "regions", "root", "runs"]
+    assert sorted(encoded) == ["chunk_bytes", "contract", "error", "exact", "on_host", "reduction", "regions", "root", "runs"]
     decoded, error = Setup.decode(loads(pickle.dumps(encoded)))  # through the restricted unpickler
     assert decoded == setup() and error == "oops"
 
@@ -169,6 +173,58 @@ def test_agree_raises_the_same_error_on_every_rank(rows: list[dict[str, Any]], m
     with pytest.raises(ContractError) as info:
         agree_window(rows)
     assert message in str(info.value)
+
+
+def frames_of(kinds: list[int], at_exit: tuple[int, ...] = ()) -> list[np.ndarray]:
+    """One frame per rank of operation ``kinds[rank]``; ranks in ``at_exit`` close at interpreter exit."""
+    frame = Frame(Window.body(3))
+    out = [frame.new(k) for k in kinds]
+    for rank in at_exit:
+        out[rank][Close.AT_EXIT] = 1
+    return out
+
+
+def agree_frames(frames: list[np.ndarray]) -> str:
+    """The one error every simulated rank raises on ``frames``, checked to be an OperationsDiffer alike on all."""
+    judge = Window.judge(MissingGradientPolicy)
+    caught: list[OperationsDiffer] = []
+
+    def run(rank: int) -> None:
+        try:
+            agree(Table(rank, frames, []), frames[rank].copy(), None, "x", judge, Window.AGREED)
+        except OperationsDiffer as e:
+            caught.append(e)
+            raise
+
+    message = same_everywhere(len(frames), run)
+    assert len(caught) == len(frames) and len({e.closing for e in caught}) == 1
+    return message
+
+
+@pytest.mark.parametrize(
+    ("kinds", "at_exit", "message", "closing"),
+    [
+        ([WINDOW, CLOSE], (), ("ranks are in different mpidp operations: rank 0 in reduce, rank 1 in close; every rank must make the "
+         "same mpidp calls in the same order (did a rank skip a reduce, or call one alone?); the session is now closed on every rank"), True),
+        ([CLOSE, CLOSE, CLOSE, WINDOW], (1,), ("rank 0 in close, rank 3 in reduce (every rank: close on ranks 0, 2, "
+         "close (at interpreter exit: its script ended) on rank 1, reduce on rank 3)"), True),
+        ([WINDOW, WINDOW, WINDOW, CLOSE, WINDOW, VERIFY], (), ("rank 0 in reduce, rank 3 in close (every rank: reduce on ranks 0-2, 4, "
+         "close on rank 3, verify_replicas on rank 5)"), True),
+        ([JOIN, JOIN, WINDOW], (), ("ranks are in different mpidp operations: rank 0 in join, rank 2 in reduce (every rank: join on "
+         "ranks 0-1, reduce on rank 2)"), False),
+    ],
+)
+def test_ranks_in_different_operations_are_each_named(kinds: list[int], at_exit: tuple[int, ...], message: str, closing: bool) -> None:
+    text = agree_frames(frames_of(kinds, at_exit))
+    assert message in text
+    assert ("the session is now closed on every rank" in text) == closing
+    assert text == OperationsDiffer([f.tolist() for f in frames_of(kinds, at_exit)]).args[0]
+
+
+def test_ranks_that_all_close_agree_at_exit_or_not() -> None:
+    frames = frames_of([CLOSE, CLOSE, CLOSE], at_exit=(0, 2))  # the flag is the rank's own: it need not be equal
+    rows = agree(Table(0, frames, []), frames[0].copy(), None, "close: agreement")
+    assert [r[KIND] for r in rows] == [CLOSE] * 3
 
 
 def test_texts_are_fetched_only_when_a_rank_reported_an_error() -> None:

@@ -46,6 +46,8 @@ def dp(request: pytest.FixtureRequest, comm: MPI.Comm, monkeypatch: pytest.Monke
 
 
 TOL = {"float32": 1e-6, "float16": 1e-3, "bfloat16": 8e-3}
+#: read by initialize: whose 16-bit casts a session uses
+CASTS_VARIABLE = "MPIDP_CASTS"
 
 
 def assert_close(got: np.ndarray, expected: np.ndarray, dtype: str) -> None:
@@ -623,7 +625,7 @@ def test_gradients_of_any_layout_give_the_bits_of_plain_ones(
         import torch  # noqa: F401 - packing casts long 16-bit segments with torch once it is imported
     else:  # without torch: NumPy's casts, or numba's where installed in the reduce-scatter cases
         numba = reduction != "auto" and importlib.util.find_spec("numba") is not None
-        monkeypatch.setenv("MPIDP_CASTS", "numba" if numba else "numpy")  # read by initialize
+        monkeypatch.setenv(CASTS_VARIABLE, "numba" if numba else "numpy")  # read by initialize
     wide = {"wide": np.zeros((64, 100), np.float32), "wide16": np.zeros((64, 100), np.float16), "wideb": np.zeros((64, 100), BF16)}
     params = {**model(100 + comm.rank), **wide}  # 2-D, several calls of their own at 4 KiB, long 16-bit segments
     with mpidp.DataParallel.initialize(params, comm, frozen=["frozen"], chunk_bytes=chunk_bytes) as dp:
@@ -659,7 +661,7 @@ def test_ranks_on_different_casts_reduce_to_the_same_bits(comm: MPI.Comm, monkey
 
 def test_an_unknown_casts_mode_is_one_error(comm: MPI.Comm, monkeypatch: pytest.MonkeyPatch) -> None:
     if comm.rank == comm.size - 1:
-        monkeypatch.setenv("MPIDP_CASTS", "gpu")
+        monkeypatch.setenv(CASTS_VARIABLE, "gpu")
     params = model(comm.rank)
     before = snapshot(params)
     same_error_everywhere(

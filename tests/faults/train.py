@@ -21,7 +21,15 @@
   communication thread (a CollectiveError, injected): the collectives cannot
   finish, so rank 3 prints the traceback and aborts the job.
 - ``extra``: rank 3 runs one reduce more than the others, which close the
-  session and exit; it waits in that reduce until the watchdog aborts.
+  session: one ContractError on every rank at once (close agrees too).
+- ``one``: rank 0 alone reduces once more (``if rank == 0: dp.reduce(...)``),
+  then every rank closes: the same.
+- ``exit``: rank 3 runs one reduce more than the others, whose scripts end
+  without closing: the close at interpreter exit agrees with rank 3's reduce.
+- ``exit-clean``: no rank closes; the session is closed at exit, before MPI
+  is finalized, and the job exits 0.
+- ``finalize-first``: no rank closes, every rank finalizes MPI itself: nothing
+  is left to close at exit, and the job exits 0.
 - ``late``: rank 3 comes to ``initialize`` 30 s after the others, which wait
   in its first collective (the communicator's Dup) until the watchdog aborts.
 - ``raise-early``: rank 3 raises before ``initialize`` (no abort hook yet:
@@ -80,6 +88,13 @@ if mode in ("skip-overlap", "skip-overlap-thread", "thread-mpi-error"):
         tdp.reduce(local_weight=2)
     tdp.close()
     sys.exit(0)
+if mode in ("exit-clean", "finalize-first"):
+    import atexit
+
+    def report() -> None:  # registered before mpidp's hook: runs after it
+        print(f"rank {rank}: at exit closed={dp._closed} freed={dp._comm.comm == MPI.COMM_NULL}", flush=True)
+
+    atexit.register(report)
 params = {"w": np.zeros(1000, np.float32), "b": np.zeros(10, np.float32)}
 dp = mpidp.DataParallel.initialize(params, comm)
 grads = dp.gradient_buffers()
@@ -99,8 +114,13 @@ for window in range(windows):
     out = dp.reduce(grads, 1)
     params["w"] -= 0.1 * out.gradients["w"]
 dp.verify_replicas()
-if mode == "extra" and rank == 3:
+if (mode in ("extra", "exit") and rank == 3) or (mode == "one" and rank == 0):
     print(f"rank {rank}: one reduce too many at {time.time():.3f}", flush=True)
     dp.reduce(grads, 1)
+if mode in ("exit", "exit-clean", "finalize-first"):
+    if mode == "finalize-first":
+        MPI.Finalize()
+    print(f"rank {rank}: done, not closed", flush=True)
+    sys.exit(0)
 dp.close()
 print(f"rank {rank}: done", flush=True)

@@ -122,7 +122,7 @@ class DataParallel:
             try:
                 forward = [name for name, _ in model.named_parameters()]  # registration order, each tie group once
                 progress = "auto" if overlap is True else str(overlap)
-                self._overlap = Overlap(self._core, self._params, [first[id(self._params[n])] for n in forward], bucket_bytes, progress)
+                self._overlap = Overlap.create(self._core, self._params, [first[id(self._params[n])] for n in forward], bucket_bytes, progress)
             except BaseException:
                 self._core.close()
                 raise
@@ -152,6 +152,11 @@ class DataParallel:
     def trainable(self) -> tuple[str, ...]:
         """The name that heads each trainable tie group, in reduce order."""
         return self._core.trainable
+
+    @property
+    def overlap(self) -> str | None:
+        """The overlap mode in use: ``"thread"``, ``"hooks"``, or None without overlap (local; what ``overlap=True`` chose)."""
+        return None if self._overlap is None else self._overlap.mode
 
     # ------------------------------------------------------------------ window
 
@@ -186,13 +191,10 @@ class DataParallel:
         rank's must be equal, which catches a rank that skipped or repeated
         a ``reduce``.
         """
-        if self._overlap is not None:  # let the communication thread begin the last bucket before this thread's Python work
-            self._overlap.buckets.handoff()
+        if self._overlap is not None:  # the overlapped window's owner checks, agrees and moves (mpidp.torch_overlap)
+            return self._overlap.reduce(self._refresh, self._heads, _as_int(local_weight), policy, None if step is None else _as_int(step))
         params = self._refresh()
         weight = _as_int(local_weight)
-        if self._overlap is not None:  # the checks read .grad (a sparse one as its dense copy); the buckets move it
-            given = {h: g if g.layout == torch.strided else g.to_dense() for h in self._heads if h in params and (g := params[h].grad) is not None}
-            return self._overlap.reduce(self._core, given, weight, policy, None if step is None else _as_int(step))
         grads: dict[str, Any] = {}
         for head in self._heads:
             p = params.get(head)
@@ -264,7 +266,7 @@ class DataParallel:
         self._refresh()
         self._core.verify_replicas()
 
-    def expect_weight(self, local_weight: int) -> None:
+    def expect_weight(self, local_weight: int | torch.Tensor) -> None:
         """Give this window's local weight before its last backward, so that the division need not wait for ``reduce`` (local).
 
         Optional; only ``overlap="thread"`` (or ``True`` where it picks the
@@ -278,7 +280,7 @@ class DataParallel:
         int is this rank's error at the next ``reduce``, on every rank.
         """
         if self._overlap is not None:
-            self._overlap.expect_weight(local_weight)
+            self._overlap.expect_weight(_as_int(local_weight))
 
     def no_sync(self) -> AbstractContextManager[None]:
         """A context for the backward passes of a window but the last: they only accumulate ``.grad`` (local).
@@ -312,9 +314,11 @@ class DataParallel:
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
-        if self._overlap is not None:
-            self._overlap.close()
-        self._core.close()
+        try:
+            if self._overlap is not None:
+                self._overlap.close()  # the overlapped windows' owner: its buckets, thread and communicator
+        finally:
+            self._core.close()
 
     def __enter__(self) -> DataParallel:  # noqa: PYI034 - Self needs Python 3.11
         return self

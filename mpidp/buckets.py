@@ -129,6 +129,11 @@ class Buckets:
         #: slots made ready more than once in this window (their buckets may have left with older values)
         self.again: set[int] = set()
 
+    @property
+    def touched(self) -> bool:
+        """Whether a slot is ready in this window."""
+        return any(self._ready)
+
     def ready(self, slot: int) -> None:
         """Mark ``slot`` ready; a slot marked twice is remembered in :attr:`again`."""
         if self._ready[slot]:

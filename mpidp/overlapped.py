@@ -111,6 +111,10 @@ class Overlapped:
         """The slots backward did not finish in this window: the adapter fills them before :meth:`reduce` (local)."""
         return self._state.unready()
 
+    def began(self) -> bool:
+        """Whether this rank's window has begun: a slot is ready (local)."""
+        return self._state.touched
+
     def started(self) -> tuple[int, int]:
         """(buckets complete, buckets) of this window (local)."""
         return self._state.complete, len(self._state)
@@ -260,6 +264,31 @@ class Overlapped:
             self._queued += 1
         self._engine.drain(f"{operation}: Iallreduce")
 
+    def interrupt(self) -> None:
+        """Another mpidp operation comes while this rank's window is open: hand its buckets to MPI as they are (local).
+
+        The window ends at :meth:`resume`, after that operation's exchange,
+        its sums thrown away: the other ranks, in the same operation or in
+        ``reduce`` (an error everywhere), then find every call matched. The
+        gradients stay where they are; the next ``reduce`` sends them again.
+        """
+        if self._closed or not self._opened or self._refused is not None:
+            return
+        self._state.rest()
+        while self._queued < self._state.tail:
+            self._engine.queue(self._state.calls(self._queued), None)
+            self._queued += 1
+        self._engine.hand()
+        self._interrupted = True
+
+    def resume(self) -> None:
+        """After the interrupting operation's exchange: finish the interrupted window's calls, start a new window (collective)."""
+        if self._interrupted:
+            try:
+                self._engine.drain(f"reduce (window {self.session.window + 1}): interrupted")
+            finally:
+                self._reset()
+
     def _reset(self) -> None:
         self._state.reset()
         self._engine.reset()
@@ -267,6 +296,7 @@ class Overlapped:
         self._opened = False
         self._refused = None
         self._owed = False  # the window was refused but the other ranks drain it: so must this one
+        self._interrupted = False  # another operation came while the window was open (:meth:`interrupt`)
         self._divisor = None
 
     def zero(self) -> None:

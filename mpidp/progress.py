@@ -87,6 +87,9 @@ class Progress:
     def finish(self, handed: int, operation: str) -> None:
         """Finish every queued call after a successful agreement; ``handed`` is the most any rank handed to MPI."""
 
+    def hand(self) -> None:
+        """Hand every queued call to MPI now, without waiting (local; another operation interrupts the window)."""
+
     def drain(self, operation: str) -> None:
         """Finish every queued call of a refused window, sums thrown away (every rank queued the same)."""
 
@@ -143,6 +146,12 @@ class NonBlocking(Progress):
         self._wait(operation)
         for send, recv in pending:
             self.watched.Allreduce_into(send, recv, operation)
+
+    def hand(self) -> None:
+        while self._pending:
+            send, recv = self._pending.popleft()
+            self._flight.append(self.comm.Iallreduce(send, recv, "reduce: Iallreduce"))
+            self.handed += 1
 
     def drain(self, operation: str) -> None:
         self._wait(operation)

@@ -236,7 +236,23 @@ class DataParallel:
                 dp.reduce(local_weight=n)
                 opt.step(); dp.zero_grad()
         """
-        return self._core.join(batches)
+        if self._overlap is None:
+            return self._core.join(batches)
+        return self._join_overlapped(self._core.join(batches))
+
+    def _join_overlapped(self, steps: Iterator[T | None]) -> Iterator[T | None]:
+        """:meth:`join`'s steps, each after a window this rank began ends (overlap: no bucket waits for a rank in join)."""
+        while True:
+            with self._between():
+                try:
+                    batch = next(steps)
+                except StopIteration:
+                    return
+            yield batch
+
+    def _between(self) -> AbstractContextManager[None]:
+        """Around another mpidp operation: an overlapped window this rank began ends with it (collective)."""
+        return nullcontext() if self._overlap is None else self._overlap.between()
 
     # ----------------------------------------------------------------- buffers
 
@@ -248,7 +264,8 @@ class DataParallel:
         tensor (checked first; ContractError on every rank otherwise, with
         nothing modified).
         """
-        core.broadcast_regions(self._core, _regions(_buffers(self.module)), "broadcast_buffers")
+        with self._between():
+            core.broadcast_regions(self._core, _regions(_buffers(self.module)), "broadcast_buffers")
 
     # --------------------------------------------------------------- utilities
 
@@ -264,7 +281,8 @@ class DataParallel:
         Buffers are not compared: they are local after construction.
         """
         self._refresh()
-        self._core.verify_replicas()
+        with self._between():
+            self._core.verify_replicas()
 
     def expect_weight(self, local_weight: int | torch.Tensor) -> None:
         """Give this window's local weight before its last backward, so that the division need not wait for ``reduce`` (local).

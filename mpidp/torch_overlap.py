@@ -175,6 +175,18 @@ class Overlap:
         self.owner.expect(weight)
 
     @contextmanager
+    def between(self) -> Iterator[None]:
+        """Around another mpidp operation: a window this rank began ends with that operation (collective)."""
+        self.owner.interrupt()
+        try:
+            yield
+        finally:
+            self.owner.resume()
+            if not self.owner.began():
+                self.running, self.error = False, None
+                self.seen = [None] * len(self.params)
+
+    @contextmanager
     def no_sync(self) -> Iterator[None]:
         self.paused += 1
         try:

@@ -578,3 +578,77 @@ def test_a_bad_overlap_value_is_refused_on_every_rank(comm: MPI.Comm, where: tup
         comm, lambda: mpidp.torch.DataParallel(model, comm, **options), ContractError,
         f"rank {bad}: overlap must be False, True, 'hooks' or 'thread', got {overlap!r}",
     )
+
+
+# ------------------------------------------------- a rank in another operation
+
+
+def clean_window(comm: MPI.Comm, plain: tuple[nn.Module, Any], over: tuple[nn.Module, Any]) -> None:
+    """Zero both models' gradients, run one window on every rank, and compare: the session still works."""
+    for model, session in (plain, over):
+        session.zero_grad()
+    for model, session in (plain, over):
+        session.reduce(local_weight=window(comm, model))
+    same_grads_everywhere(comm, plain[0], over[0])
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("backward", [False, True])
+def test_a_rank_in_verify_replicas_while_the_others_reduce_is_one_error_everywhere_then_it_goes_on(
+    comm: MPI.Comm, mode: str, backward: bool
+) -> None:
+    """Issue 32 item 1b: no rank waits for another's part of a bucket; the rank in verify_replicas catches and goes on.
+
+    ``backward``: the last rank runs its backward too before it calls verify_replicas (a window it began).
+    """
+    (plain, dp), (over, do) = pair(lambda s: TinyLM(s, extras=False), comm, mode, **SMALL)
+    last = comm.rank == comm.size - 1
+    with dp, do:
+        if last and backward:
+            window(comm, over)
+
+        def step() -> None:
+            if last:
+                do.verify_replicas()
+                return
+            do.reduce(local_weight=window(comm, over))
+
+        message = same_error_everywhere(comm, step, ContractError, "ranks are in different mpidp operations")
+        assert f"rank {comm.size - 1} in verify_replicas" in message, message
+        if last and backward:  # its window goes on: reduce what it began; the others join in with a window of their own
+            do.zero_grad()
+        clean_window(comm, (plain, dp), (over, do))
+        clean_window(comm, (plain, dp), (over, do))
+
+
+def test_verify_replicas_between_backward_and_reduce_on_every_rank_still_equals_the_plain_path(comm: MPI.Comm, mode: str) -> None:
+    """Legal, if slow: the window's buckets end with the other operation, and reduce sends the gradients again."""
+    (plain, dp), (over, do) = pair(lambda s: TinyLM(s, extras=False), comm, mode, **SMALL)
+    with dp, do:
+        for model, session in ((plain, dp), (over, do)):
+            weight = window(comm, model)
+            session.verify_replicas()
+            session.broadcast_buffers()
+            session.reduce(local_weight=weight)
+        same_grads_everywhere(comm, plain, over)
+        clean_window(comm, (plain, dp), (over, do))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_rank_that_skips_reduce_in_a_join_loop_is_one_error_everywhere_then_it_goes_on(comm: MPI.Comm, mode: str) -> None:
+    """The rank whose batches ran out forgets ``reduce(local_weight=0)``: it asks join while the others reduce."""
+    (plain, dp), (over, do) = pair(lambda s: TinyLM(s, extras=False), comm, mode, **SMALL)
+    last = comm.rank == comm.size - 1
+    batches = [1] if last else [1, 2]
+    with dp, do:
+
+        def loop() -> None:
+            for batch in do.join(batches):
+                if batch is None:
+                    continue  # the mistake: no reduce for this step
+                do.reduce(local_weight=window(comm, over))
+                do.zero_grad()
+
+        message = same_error_everywhere(comm, loop, ContractError, "ranks are in different mpidp operations")
+        assert f"rank {comm.size - 1} in join" in message, message
+        clean_window(comm, (plain, dp), (over, do))

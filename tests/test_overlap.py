@@ -652,3 +652,31 @@ def test_a_rank_that_skips_reduce_in_a_join_loop_is_one_error_everywhere_then_it
         message = same_error_everywhere(comm, loop, ContractError, "ranks are in different mpidp operations")
         assert f"rank {comm.size - 1} in join" in message, message
         clean_window(comm, (plain, dp), (over, do))
+
+
+# ------------------------------------------------------------- small promises
+
+
+@pytest.mark.parametrize("kind", ["tensor", "numpy"])
+def test_expect_weight_takes_what_reduce_takes(comm: MPI.Comm, kind: str) -> None:
+    """Issue 32 item 4: an integer tensor of one element or a NumPy integer, as ``reduce(local_weight=...)``."""
+    (plain, dp), (over, do) = pair(lambda s: TinyLM(s, extras=False), comm, "thread", **SMALL)
+    with dp, do:
+        weight = window(comm, over, backward=False)
+        do.expect_weight(torch.tensor(weight) if kind == "tensor" else np.int64(weight))
+        for model, session in ((plain, dp), (over, do)):
+            session.reduce(local_weight=window(comm, model))
+        assert do._overlap.owner.divided == sum(comm.allgather(weight))  # taken: the thread divided as it summed
+        same_grads_everywhere(comm, plain, over)
+
+
+@pytest.mark.parametrize("ask", [False, "hooks", "thread"])
+def test_the_mode_overlap_chose_is_a_public_attribute(comm: MPI.Comm, ask: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 32 item 5: ``dp.overlap`` is "thread", "hooks" or None; ``overlap=True`` says what it picked."""
+    model = TinyLM(100, extras=False)
+    with mpidp.torch.DataParallel(model, comm, overlap=ask, **SMALL) as do:
+        assert do.overlap == (ask or None)
+    for cores, picked in ((1, "hooks"), (1024, "thread")):
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid, n=cores: set(range(n)), raising=False)
+        with mpidp.torch.DataParallel(model, comm, overlap=True, **SMALL) as do:
+            assert do.overlap == picked

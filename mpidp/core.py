@@ -439,7 +439,7 @@ class DataParallel:
         return Facts(self._comm, self._slots.sizes, self._chunk_bytes, self._root, self._device, timeout)
 
     def fail(self, error: CollectiveError) -> None:
-        """Mark the session broken by ``error`` (an adapter's collective failed mid-window): every later call raises (local)."""
+        """Mark the session broken by ``error`` (an adapter's MPI call failed mid-window): every later call raises (local)."""
         self._failed = str(error)
 
     def zero_gradients(self) -> None:

@@ -65,9 +65,11 @@ class DataParallel:
     ``overlap`` (CPU parameters) starts the reduction while backward runs
     (:mod:`mpidp.torch_overlap`): gradients go into float32 buckets of
     ``bucket_bytes`` (default ``chunk_bytes``) as autograd finishes them;
-    :meth:`reduce` then finishes them, with the plain path's results bit for
-    bit. Run the backward passes of a window but the last under
-    :meth:`no_sync`. ``overlap="hooks"``: the gradient hooks start and
+    :meth:`reduce` then finishes them, with the plain path's results (bit for
+    bit where the plain path sums with Allreduce; a ``.grad`` changed after
+    backward, or a parameter finished twice, costs a second sum, not a
+    different result). Run the backward passes of a window but the last
+    under :meth:`no_sync`; :attr:`overlap` says which mode runs. ``overlap="hooks"``: the gradient hooks start and
     progress non-blocking calls; ``overlap="thread"``: a communication thread
     sums each bucket with blocking calls while backward goes on (needs
     ``MPI_THREAD_MULTIPLE``); ``overlap=True``: the thread where every rank's
@@ -304,9 +306,11 @@ class DataParallel:
         """A context for the backward passes of a window but the last: they only accumulate ``.grad`` (local).
 
         With ``overlap=True`` the last backward of a window starts the
-        reductions as it goes; the ones before it must run under
-        ``no_sync()`` (as with DDP's). On the plain path every backward only
-        accumulates anyway, and the context does nothing.
+        reductions as it goes; the ones before it should run under
+        ``no_sync()`` (as with DDP's): a second backward outside it makes
+        every rank sum the window again after backward (the same result,
+        later). On the plain path every backward only accumulates anyway,
+        and the context does nothing.
         """
         return nullcontext() if self._overlap is None else self._overlap.no_sync()
 

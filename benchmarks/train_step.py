@@ -292,8 +292,7 @@ class Variant:
         self.reduce_after: Callable[[int], None] = lambda weight: None
         if name in OVERLAP:
             self.dp = mpidp.torch.DataParallel(model, flat_parameters=True, overlap=OVERLAP[name], bucket_bytes=BUCKET_BYTES[0])
-            over = self.dp._overlap  # which mode overlap=True picked (benchmark only: no public accessor)
-            self.mode = "off" if over is None else "thread" if over.buckets.threaded else "hooks"
+            self.mode = self.dp.overlap or "off"  # which mode overlap=True picked
             self.reduce_after = lambda weight: self.dp.reduce(local_weight=weight)
         elif name == "ddp_gloo":
             warnings.filterwarnings("ignore", "`broadcast_buffers` is deprecated", FutureWarning)  # its own advice: keep it

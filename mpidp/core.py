@@ -22,7 +22,7 @@ from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
 
-from . import arrays, checks, cuda, exact, exact_window, guard, launch, layout, overlap, records
+from . import arrays, checks, cuda, exact, exact_window, guard, launch, layout, records
 from . import comm as _mpi
 from .checks import ByteRegions
 from .comm import Communicator, MPIComm
@@ -41,7 +41,7 @@ from .window import Cache, Given, Slots, Transport, check_gradients, reduce_slot
 
 T = TypeVar("T")
 
-__all__ = ["Agreed", "ByteRegions", "DataParallel", "MPIComm", "MissingGradientPolicy", "ReducedGradients", "broadcast_regions", "flat_parameters", "start"]
+__all__ = ["Agreed", "ByteRegions", "Checked", "DataParallel", "Facts", "MPIComm", "MissingGradientPolicy", "ReducedGradients", "broadcast_regions", "flat_parameters", "start"]
 
 
 class MissingGradientPolicy(enum.Enum):
@@ -63,6 +63,17 @@ class ReducedGradients:
     global_weight: int
 
 
+class Checked(NamedTuple):
+    """This rank's window, checked locally (:meth:`DataParallel.check_window`): its record and its first error."""
+
+    given: list[Given | None]  # this rank's gradient per reduction slot (checked), None where it has none
+    weight: int  # this rank's local weight
+    code: int  # the policy's value
+    step: int  # the STEP word
+    presence: np.ndarray  # the presence words
+    error: str | None
+
+
 class Agreed(NamedTuple):
     """The facts of a window every rank agreed on (:meth:`DataParallel.agree_window`), and this rank's gradients."""
 
@@ -71,11 +82,23 @@ class Agreed(NamedTuple):
     global_weight: int
     key: tuple[int, ...]  # the presence words OR-ed over the ranks with a weight
     zero_weight: bool  # some rank has weight 0: its gradients count as zeros
+    extra: tuple[int, ...] = ()  # every rank's EXTRA word (the adapter's own, :meth:`DataParallel.agree_window`)
     exact: tuple[exact.Facts, ...] | None = None  # per slot, the agreed facts of the exact reduction (exact sessions)
 
     def present(self, slots: int) -> list[bool]:
         """Whether each reduction slot is globally present."""
         return Window.present(self.key, slots)
+
+
+class Facts(NamedTuple):
+    """What an adapter's owner of overlapped windows needs to know about the session (:meth:`DataParallel.facts`)."""
+
+    comm: Communicator  # the session's communicator
+    sizes: tuple[int, ...]  # values per reduction slot (one per trainable tie group, in :attr:`DataParallel.trainable` order)
+    chunk_bytes: int
+    root: int
+    device: str
+    timeout: float | None  # the watchdog's seconds (None: off)
 
 
 class DataParallel:
@@ -115,8 +138,6 @@ class DataParallel:
         self._closing = False  # a rank is in close: this rank closes without asking again
         self._exiting = False  # closed by the interpreter's exit, not by the program
         self._failed: str | None = None  # set by the first CollectiveError: the session is unusable
-        self._buckets: overlap.Buckets | None = None  # reduction buckets filled during backward, once asked for
-        self._bucket_watchdog: guard.Watchdog | None = None  # watches the buckets' communication thread
 
     # ------------------------------------------------------------------ set-up
 
@@ -289,7 +310,7 @@ class DataParallel:
         its input, the gradient arrays are then unspecified, and every later
         call on this session raises CollectiveError too.
         """
-        agreed = self.agree_window(grads, local_weight, policy, step=step)
+        agreed = self.agree_window(self.check_window(grads, local_weight, policy, step=step))
         given, weight, global_weight, key = agreed.given, agreed.weight, agreed.global_weight, agreed.key
         operation = f"reduce (window {self._window})"
         if self._exact is not None:
@@ -309,21 +330,15 @@ class DataParallel:
             raise
         return ReducedGradients(out, global_weight)
 
-    def agree_window(
-        self, grads: Mapping[str, Any], local_weight: Any, policy: Any, error: str | None = None, *, step: Any = None,
-        settle: Callable[[], str | None] | None = None,
-    ) -> Agreed:
-        """:meth:`reduce` up to the movement: check locally, then agree (collective; moves no gradient).
+    def check_window(self, grads: Mapping[str, Any], local_weight: Any, policy: Any, error: str | None = None, *, step: Any = None) -> Checked:
+        """:meth:`reduce`'s local checks: this rank's window record and its first error (local; counts the window).
 
         ``error`` is the caller's own local error (an adapter's), agreed like
-        the core's; ``step`` as in :meth:`reduce`; ``settle()``, if given, is
-        called after the local checks and before the exchange, whatever they
-        found, and returns one more local error (or None). Raises ContractError on every rank as :meth:`reduce` does;
-        otherwise every rank holds the same facts of the window.
+        the core's; ``step`` as in :meth:`reduce`. Raises only where the
+        session is closed or broken; every other problem is the returned error.
         """
         self._usable()
         self._window += 1
-        operation = f"reduce (window {self._window})"
         given: list[Given | None] = [None] * len(self._slots.groups)
         error = self._check_window(grads, given) or error
         if type(local_weight) is int and 0 <= local_weight <= U64_MAX and policy.__class__ is MissingGradientPolicy:
@@ -350,14 +365,23 @@ class DataParallel:
         if self._exact is not None:
             error = error or self._exact.error
         presence = self._slots.complete if complete or present is None else self._slots.presence(present)
-        if settle is not None:
-            late = settle()
-            error = error or late
-        Window.fill(self._window_frame, step_word, code, weight, presence)
+        return Checked(given, weight, code, step_word, presence, error)
+
+    def agree_window(self, checked: Checked, error: str | None = None, extra: int = 0) -> Agreed:
+        """:meth:`reduce` up to the movement: one exchange of the checked window (collective; moves no gradient).
+
+        ``error`` is one more local error found after :meth:`check_window`;
+        ``extra`` a word of the caller's own, every rank's returned in
+        :attr:`Agreed.extra`. Raises ContractError on every rank as :meth:`reduce`
+        does; otherwise every rank holds the same facts of the window.
+        """
+        error = checked.error or error
+        Window.fill(self._window_frame, checked.step, checked.code, checked.weight, checked.presence, extra)
         if self._exact is not None:
             self._exact.words(self._window_frame)
         try:
-            rows = self._agree(self._window_frame, error, f"{operation}: exchange", self._judge, Window.AGREED)
+            operation = f"reduce (window {self._window}): exchange"
+            rows = self._agree(self._window_frame, error, operation, self._judge, Window.AGREED)
             global_weight, key = Window.facts(rows, self._slots.words)
             _check_global_weight(global_weight)
             facts = None if self._exact is None else self._exact.facts(rows)
@@ -366,7 +390,21 @@ class DataParallel:
             if self._exact is not None:  # a refused window forgets its folds: the next one starts clean
                 self._exact.forget()
             raise
-        return Agreed(given, weight, global_weight, key, any(r[Window.WEIGHT] == 0 for r in rows), facts)
+        zero = any(r[Window.WEIGHT] == 0 for r in rows)
+        return Agreed(checked.given, checked.weight, global_weight, key, zero, tuple(r[Window.EXTRA] for r in rows), facts)
+
+    def agree_record(self, kind: int, words: Sequence[int], error: str | None, operation: str) -> list[list[int]]:
+        """Exchange one frame of ``kind`` whose body is ``words``: every rank's, as Python ints (collective).
+
+        An adapter's own record (:class:`mpidp.records.Open`), met by ranks in
+        any other operation as every operation's record is: ContractError on
+        every rank when ranks are in different operations or one reported an error.
+        """
+        self._usable()
+        frame = self._frame.new(kind)
+        frame[records.BODY : records.BODY + len(words)] = words
+        rows: list[list[int]] = self._agree(frame, error, operation)
+        return rows
 
     # ------------------------------------------------------ exact reduction
 
@@ -446,148 +484,14 @@ class DataParallel:
             )
         return {g.name: a for g, a in zip(self._slots.groups, self._cache.flat.arrays)}
 
-    def reduction_buckets(self, order: Sequence[int], bucket_bytes: int, progress: str = "hooks", threads: int = 1) -> overlap.Buckets:
-        """Return the session's reduction buckets (:mod:`mpidp.overlap`), made on the first call.
+    def facts(self) -> Facts:
+        """What an owner of overlapped windows needs: communicator, slot sizes, chunk, root, device, timeout (local)."""
+        timeout = None if self._watchdog is None else self._watchdog.timeout
+        return Facts(self._comm, self._slots.sizes, self._chunk_bytes, self._root, self._device, timeout)
 
-        Collective on the first call (every rank must make them; later calls
-        are local). ``order`` lists the reduction slots (indices into
-        :attr:`trainable`) in the order their gradients are expected to be
-        ready; root's order is every rank's. Buckets hold at most
-        ``bucket_bytes`` of float32 gradients each (a larger slot is a bucket
-        of its own) and are summed in calls of at most ``chunk_bytes``, on a
-        duplicate of the session's communicator. Host sessions only: ContractError on every rank for a
-        session on a device.
-
-        ``progress`` (the same on every rank) says who sums them: ``"hooks"``
-        (non-blocking calls, progressed by the caller), ``"thread"`` (a
-        communication thread, watched by a watchdog of the session's timeout;
-        ContractError on every rank where a rank's MPI lacks
-        ``MPI_THREAD_MULTIPLE``) or ``"auto"``: the thread where every rank
-        has it and its node has a core free for it besides ``threads``
-        computing threads per rank (:func:`mpidp.comm.free_cores`), else hooks.
-        """
-        self._usable()
-        if self._buckets is None:
-            free = _mpi.free_cores(self._comm, threads)  # collective: every rank, whatever it asks for
-            mine = [[int(i) for i in order], progress, _mpi.thread_multiple(), free]
-            rows = self._comm.allgather_obj(mine, "reduction_buckets: order and progress")
-            agreed = rows[self._root][0]
-            if sorted(agreed) != list(range(len(self._slots))):
-                raise ContractError(f"root's bucket order is not a permutation of the {len(self._slots)} reduction slots")
-            if self._device != "cpu":
-                raise ContractError(f"reduction buckets hold host memory; this session's device is {self._device}")
-            asked = sorted({str(r[1]) for r in rows})
-            if len(asked) > 1:
-                raise ContractError(f"ranks ask for different overlap progress modes: {', '.join(asked)}")
-            unable = [r for r, row in enumerate(rows) if not row[2]]
-            if progress == "thread" and unable:
-                raise ContractError(
-                    f"overlap='thread' needs MPI_THREAD_MULTIPLE, which MPI did not provide on rank(s) {', '.join(map(str, unable))}"
-                )
-            thread = progress == "thread" or (progress == "auto" and not unable and all(row[3] for row in rows))
-            comm = _mpi.duplicate(self._comm.comm)
-            self._buckets = overlap.Buckets(
-                comm, self._comm, self._slots.sizes, agreed, bucket_bytes // 4, self._chunk_bytes // 4, thread=thread,
-                fatal=lambda e: guard.fatal(comm.rank, "the communication thread's Allreduce", e),
-            )
-            if thread and self._watchdog is not None:  # the thread's blocking calls, watched like the session's
-                self._bucket_watchdog = guard.Watchdog(comm, self._watchdog.timeout)
-        return self._buckets
-
-    def reduce_buckets(
-        self, grads: Mapping[str, Any], local_weight: Any, policy: Any, error: str | None, fill: Callable[[int], None], *, step: Any = None,
-    ) -> Agreed:
-        """:meth:`reduce` for gradients that went into :meth:`reduction_buckets` while backward ran.
-
-        Collective: every rank must call it once per window. Checks and
-        agrees exactly as :meth:`reduce` (``grads`` are this rank's gradients,
-        which the checks read and nothing writes), plus the caller's local
-        ``error``. On a ContractError (every rank alike) every bucket is still
-        started and finished, its sums thrown away and nothing written, so the
-        next window starts clean. Otherwise ``fill(slot)`` fills each slot the
-        backward did not make ready, every bucket is finished, and the buckets'
-        ``sums`` hold the sums over the ranks (a rank of weight 0 counted as
-        zeros) for the caller to divide by the global weight, or, where the
-        buckets' :attr:`~mpidp.overlap.Buckets.divided` is set, already divided by it;
-        the last bucket's (:attr:`~mpidp.overlap.Buckets.fixed`) always are,
-        summed in place after the agreement. With a communication thread the
-        buckets are finished before the exchange (:meth:`_reduce_threaded`).
-        """
-        buckets = self._buckets
-        assert buckets is not None, "reduction_buckets() first"
-        operation = f"reduce (window {self._window + 1}): Iallreduce"
-        if buckets.threaded:
-            return self._reduce_threaded(buckets, grads, local_weight, policy, error, fill, step, operation)
-        try:
-            agreed = self.agree_window(grads, local_weight, policy, error, step=step)
-        except ContractError:
-            if not self._closed:
-                buckets.drain(operation)
-            raise
-        try:
-            buckets.flush(fill)
-            handed = self._comm.Allgather(np.array([buckets.handed], np.int64), f"{operation}: calls started")
-            buckets.finish(int(handed.max()), operation)
-            self._redo(buckets, agreed, operation)
-        except CollectiveError as e:
-            self._failed = str(e)
-            raise
-        finally:
-            buckets.reset()
-        return agreed
-
-    def _reduce_threaded(
-        self, buckets: overlap.Buckets, grads: Mapping[str, Any], local_weight: Any, policy: Any, error: str | None,
-        fill: Callable[[int], None], step: Any, operation: str,
-    ) -> Agreed:
-        """:meth:`reduce_buckets` with a communication thread: finish the buckets, then exchange (collective).
-
-        The calling thread fills and queues what backward left, sleeps until
-        the thread has begun the last call, checks the gradients while that
-        call sums, and sleeps again until every call is summed; only then
-        does it exchange the window's record. The other order (exchange
-        while the last buckets sum) had both threads of a rank spinning in
-        MPI at once: the agreement's polling took the core the last bucket
-        needed (``benchmarks/overlap_timeline.py``: that call started 2 ms
-        after it was queued). A fill that raises and a failure of the
-        thread are this rank's error in the agreement, so every rank raises
-        the same ContractError; nothing is left in flight either way, and
-        on an error the sums are thrown away.
-        """
-        self._usable()  # a closed session's buckets have no thread and no communicator left
-        settled: list[bool] = []
-
-        def settle() -> str | None:
-            settled.append(True)
-            buckets.finish(0, operation)
-            return buckets.take_failure()
-
-        try:
-            try:
-                buckets.flush(fill)
-            except Exception as e:  # noqa: BLE001 - agreed below; the rest of the window is sent as it is
-                error = error or f"could not copy a gradient into its reduction bucket: {type(e).__name__}: {e}"
-                buckets.flush(None)
-            buckets.handoff()
-            agreed = self.agree_window(grads, local_weight, policy, error, step=step, settle=settle)
-            self._redo(buckets, agreed, operation)
-        except CollectiveError as e:
-            self._failed = str(e)
-            raise
-        finally:
-            if not settled:  # agree_window raised before its checks were done: the thread's calls still end first
-                buckets.finish(0, operation)
-            buckets.reset()
-        return agreed
-
-    @staticmethod
-    def _redo(buckets: overlap.Buckets, agreed: Agreed, operation: str) -> None:
-        """Sum the tail, or every bucket again where the agreed window says their sums do not hold (collective)."""
-        stale = buckets.divided is not None and buckets.divided != agreed.global_weight  # weights given before backward were not these
-        if agreed.zero_weight or stale:  # its gradients left during backward: sum again, counting them as zeros
-            buckets.redo(agreed.weight == 0, agreed.global_weight, operation)
-        else:
-            buckets.finish_tail(agreed.global_weight, operation)
+    def fail(self, error: CollectiveError) -> None:
+        """Mark the session broken by ``error`` (an adapter's MPI call failed mid-window): every later call raises (local)."""
+        self._failed = str(error)
 
     def zero_gradients(self) -> None:
         """Set every array of :meth:`gradient_buffers` to zero (local, one fill per dtype)."""
@@ -707,13 +611,6 @@ class DataParallel:
         guard.forget_at_exit(self)
         self._cache.forget()  # release the last windows' gradient arrays
         try:
-            if self._buckets is not None:
-                if self._failed is None:
-                    self._buckets.drain("close: Iallreduce")  # every rank starts every bucket of a window
-                self._buckets.close()
-                if self._bucket_watchdog is not None:
-                    self._bucket_watchdog.close()
-                self._buckets.comm.close()
             self._comm.close()  # watched, like every collective of the session
         finally:
             if self._watchdog is not None:

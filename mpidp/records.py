@@ -6,7 +6,8 @@ exchanges one fixed-size frame of unsigned 64-bit words, the same length
 for every operation of the session, so that ranks in different operations
 still match in MPI and learn that they are::
 
-    word 0   KIND     which operation: WINDOW (reduce), VERIFY, REGIONS (broadcast_buffers), JOIN, CLOSE
+    word 0   KIND     which operation: WINDOW (reduce), VERIFY, REGIONS (broadcast_buffers), JOIN, CLOSE,
+                      OPEN (an overlapped window, before its first bucket call)
     word 1   ERROR    1 when this rank found an error before the exchange
     word 2.. body     the operation's own fields, named by its class (:class:`Window`, ...)
 
@@ -39,14 +40,17 @@ if TYPE_CHECKING:
     from .comm import Communicator
 
 __all__ = [
-    "CLOSE", "JOIN", "REGIONS", "U64_MAX", "VERIFY", "WINDOW", "Close", "Frame", "Join", "OperationsDiffer", "RegionsRecord", "Setup",
-    "Verify", "Window", "agree", "regions_disagreement",
+    "CLOSE", "JOIN", "OPEN", "REGIONS", "U64_MAX", "VERIFY", "WINDOW", "Close", "Frame", "Join", "Open", "OperationsDiffer",
+    "RegionsRecord", "Setup", "Verify", "Window", "agree", "regions_disagreement",
 ]
 
 U64_MAX = (1 << 64) - 1
 #: operation kinds (word 0 of a frame)
-WINDOW, VERIFY, REGIONS, JOIN, CLOSE = 1, 2, 3, 4, 5
-OPERATIONS = {WINDOW: "reduce", VERIFY: "verify_replicas", REGIONS: "broadcast_buffers", JOIN: "join", CLOSE: "close"}
+WINDOW, VERIFY, REGIONS, JOIN, CLOSE, OPEN = 1, 2, 3, 4, 5, 6
+OPERATIONS = {
+    WINDOW: "reduce", VERIFY: "verify_replicas", REGIONS: "broadcast_buffers", JOIN: "join", CLOSE: "close",
+    OPEN: "reduce (starting its overlapped buckets)",
+}
 #: the words every frame starts with
 KIND, ERROR, BODY = 0, 1, 2
 
@@ -150,21 +154,23 @@ class Window:
     (``reduce(..., step=)``) can tell that a rank skipped or repeated one.
     """
 
-    STEP, POLICY, WEIGHT, PRESENCE = BODY, BODY + 1, BODY + 2, BODY + 3
+    #: EXTRA: a word of the adapter's own, each rank's returned as it is (the overlapped window's calls and redo mark)
+    STEP, POLICY, WEIGHT, EXTRA, PRESENCE = BODY, BODY + 1, BODY + 2, BODY + 3, BODY + 4
     #: frame words ``[0, AGREED)`` are equal on every rank of a window that goes ahead
     AGREED = BODY + 2
 
     @staticmethod
     def body(slots: int) -> int:
         """Body words for ``slots`` reduction slots."""
-        return 3 + (slots + 63) // 64
+        return 4 + (slots + 63) // 64
 
     @staticmethod
-    def fill(frame: np.ndarray, step: int, policy: int, weight: int, presence: np.ndarray) -> None:
+    def fill(frame: np.ndarray, step: int, policy: int, weight: int, presence: np.ndarray, extra: int = 0) -> None:
         """Write this rank's window record into a WINDOW ``frame`` (``step``: the STEP word)."""
         frame[Window.STEP] = step
         frame[Window.POLICY] = policy
         frame[Window.WEIGHT] = weight
+        frame[Window.EXTRA] = extra
         frame[Window.PRESENCE : Window.PRESENCE + presence.size] = presence
 
     @staticmethod
@@ -212,6 +218,31 @@ class Window:
 
 def _step(word: int) -> str:
     return f"step {word - 1}" if word else "no step"
+
+
+class Open:
+    """The record that opens an overlapped window before its first bucket call: what the ranks know before backward.
+
+    WEIGHT is 0 when the rank gave no weight before backward, else weight + 1;
+    CLOSING is 1 when the rank opens the window only to close the session.
+    Ranks in another operation meet this record in their own exchange, so no
+    bucket call ever waits for a rank that is elsewhere.
+    """
+
+    WEIGHT, CLOSING = BODY, BODY + 1
+
+    @staticmethod
+    def divisor(rows: Rows) -> int | None:
+        """The global weight when every rank gave its weight before backward and none is 0, else None."""
+        weights = [r[Open.WEIGHT] for r in rows]
+        if all(w > 1 for w in weights):
+            return sum(w - 1 for w in weights)
+        return None
+
+    @staticmethod
+    def closing(rows: Rows) -> list[int]:
+        """The ranks that opened the window to close the session."""
+        return [rank for rank, r in enumerate(rows) if r[Open.CLOSING]]
 
 
 class Verify:

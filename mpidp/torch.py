@@ -65,12 +65,14 @@ class DataParallel:
     ``overlap`` (CPU parameters) starts the reduction while backward runs
     (:mod:`mpidp.torch_overlap`): gradients go into float32 buckets of
     ``bucket_bytes`` (default ``chunk_bytes``) as autograd finishes them;
-    :meth:`reduce` then finishes them, with the plain path's results bit for
+    :meth:`reduce` then finishes them, with the plain path's results: bit for
     bit for 16-bit gradients and for float32 ones the plain path sums with an
     Allreduce; where it reduce-scatters float32 (calls of 262,144 values or
     more at 3 or more ranks) the sums can differ in their last bits, still
-    the same on every rank. Run the backward passes of a window but the last under
-    :meth:`no_sync`. ``overlap="hooks"``: the gradient hooks start and
+    the same on every rank. A ``.grad`` changed after backward, or a
+    parameter finished twice, costs a second sum, not a different result.
+    Run the backward passes of a window but the last under :meth:`no_sync`;
+    :attr:`overlap` says which mode runs. ``overlap="hooks"``: the gradient hooks start and
     progress non-blocking calls; ``overlap="thread"``: a communication thread
     sums each bucket with blocking calls while backward goes on (needs
     ``MPI_THREAD_MULTIPLE``); ``overlap=True``: the thread where every rank's
@@ -133,7 +135,7 @@ class DataParallel:
             try:
                 forward = [name for name, _ in model.named_parameters()]  # registration order, each tie group once
                 progress = "auto" if overlap is True else str(overlap)
-                self._overlap = Overlap(self._core, self._params, [first[id(self._params[n])] for n in forward], bucket_bytes, progress)
+                self._overlap = Overlap.create(self._core, self._params, [first[id(self._params[n])] for n in forward], bucket_bytes, progress)
             except BaseException:
                 self._core.close()
                 raise
@@ -169,6 +171,11 @@ class DataParallel:
         """The model it was built for, the same object (local): it is not wrapped, so keep calling it directly."""
         return self._module
 
+    @property
+    def overlap(self) -> str | None:
+        """The overlap mode in use: ``"thread"``, ``"hooks"``, or None without overlap (local; what ``overlap=True`` chose)."""
+        return None if self._overlap is None else self._overlap.mode
+
     # ------------------------------------------------------------------ window
 
     def reduce(
@@ -202,13 +209,10 @@ class DataParallel:
         rank's must be equal, which catches a rank that skipped or repeated
         a ``reduce``.
         """
-        if self._overlap is not None:  # let the communication thread begin the last bucket before this thread's Python work
-            self._overlap.buckets.handoff()
+        if self._overlap is not None:  # the overlapped window's owner checks, agrees and moves (mpidp.torch_overlap)
+            return self._overlap.reduce(self._refresh, self._heads, _as_int(local_weight), policy, None if step is None else _as_int(step))
         params = self._refresh()
         weight = _as_int(local_weight)
-        if self._overlap is not None:  # the checks read .grad (a sparse one as its dense copy); the buckets move it
-            given = {h: g if g.layout == torch.strided else g.to_dense() for h in self._heads if h in params and (g := params[h].grad) is not None}
-            return self._overlap.reduce(self._core, given, weight, policy, None if step is None else _as_int(step))
         grads: dict[str, Any] = {}
         for head in self._heads:
             p = params.get(head)
@@ -270,7 +274,23 @@ class DataParallel:
                 dp.reduce(local_weight=n)
                 opt.step(); dp.zero_grad()
         """
-        return self._core.join(batches)
+        if self._overlap is None:
+            return self._core.join(batches)
+        return self._join_overlapped(self._core.join(batches))
+
+    def _join_overlapped(self, steps: Iterator[T | None]) -> Iterator[T | None]:
+        """:meth:`join`'s steps, each after a window this rank began ends (overlap: no bucket waits for a rank in join)."""
+        while True:
+            with self._between():
+                try:
+                    batch = next(steps)
+                except StopIteration:
+                    return
+            yield batch
+
+    def _between(self) -> AbstractContextManager[None]:
+        """Around another mpidp operation: an overlapped window this rank began ends with it (collective)."""
+        return nullcontext() if self._overlap is None else self._overlap.between()
 
     # ----------------------------------------------------------------- buffers
 
@@ -282,7 +302,8 @@ class DataParallel:
         tensor (checked first; ContractError on every rank otherwise, with
         nothing modified).
         """
-        core.broadcast_regions(self._core, _regions(_buffers(self.module)), "broadcast_buffers")
+        with self._between():
+            core.broadcast_regions(self._core, _regions(_buffers(self.module)), "broadcast_buffers")
 
     # --------------------------------------------------------------- utilities
 
@@ -298,9 +319,10 @@ class DataParallel:
         Buffers are not compared: they are local after construction.
         """
         self._refresh()
-        self._core.verify_replicas()
+        with self._between():
+            self._core.verify_replicas()
 
-    def expect_weight(self, local_weight: int) -> None:
+    def expect_weight(self, local_weight: int | torch.Tensor) -> None:
         """Give this window's local weight before its last backward, so that the division need not wait for ``reduce`` (local).
 
         Optional; only ``overlap="thread"`` (or ``True`` where it picks the
@@ -314,15 +336,17 @@ class DataParallel:
         int is this rank's error at the next ``reduce``, on every rank.
         """
         if self._overlap is not None:
-            self._overlap.expect_weight(local_weight)
+            self._overlap.expect_weight(_as_int(local_weight))
 
     def no_sync(self) -> AbstractContextManager[None]:
         """A context for the backward passes of a window but the last: they only accumulate ``.grad`` (local).
 
         With ``overlap=True`` the last backward of a window starts the
-        reductions as it goes; the ones before it must run under
-        ``no_sync()`` (as with DDP's). On the plain path every backward only
-        accumulates anyway, and the context does nothing.
+        reductions as it goes; the ones before it should run under
+        ``no_sync()`` (as with DDP's): a second backward outside it makes
+        every rank sum the window again after backward (the same result,
+        later). On the plain path every backward only accumulates anyway,
+        and the context does nothing.
         """
         return nullcontext() if self._overlap is None else self._overlap.no_sync()
 
@@ -348,9 +372,11 @@ class DataParallel:
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
-        if self._overlap is not None:
-            self._overlap.close()
-        self._core.close()
+        try:
+            if self._overlap is not None:
+                self._overlap.close()  # the overlapped windows' owner: its buckets, thread and communicator
+        finally:
+            self._core.close()
 
     def __enter__(self) -> DataParallel:  # noqa: PYI034 - Self needs Python 3.11
         return self

@@ -1,56 +1,75 @@
-"""The PyTorch adapter's overlapped path: gradients go into reduction buckets as autograd finishes them.
+"""The PyTorch adapter's overlapped path: autograd hooks and ``.grad``; the window itself is the owner's.
 
 Used by :class:`mpidp.torch.DataParallel` with ``overlap`` set. A
 post-accumulate-grad hook per trainable tie group copies the finished
-gradient into its slot of the session's float32 send buffer
-(:mod:`mpidp.overlap`; a float32 ``.grad`` then *is* that slot, so the next
-backward accumulates there and needs no copy) and marks it ready: complete
-buckets start summing at once, in the agreed order, while backward goes on
-(progressed by the hooks themselves, or by a communication thread).
-``reduce`` then agrees on the window as the plain path does, finishes the
-buckets, and writes ``sum / global_weight`` into ``.grad``. The hooks never
-raise: what goes wrong in one is this rank's error at the next ``reduce``,
-agreed by every rank.
+gradient into its slot of the owner's float32 send buffer
+(:class:`mpidp.overlapped.Overlapped`; a float32 ``.grad`` then *is* that
+slot, so the next backward accumulates there and needs no copy) and marks
+it ready: complete buckets start summing at once, in the agreed order, while
+backward goes on. ``reduce`` fills what backward did not reach, hands the
+owner the gradients to check and those changed since their hook, and writes
+``sum / global_weight`` into ``.grad``. The hooks never raise: what goes
+wrong in one is this rank's error at the next ``reduce``, agreed by every rank.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
 import torch
 
-from . import core
+from .overlapped import Overlapped, Session
 
 __all__ = ["Overlap"]
 
 
 class Overlap:
-    """The hooks, the send slots as tensors, and the window state of one overlapped session (local)."""
+    """The hooks, the send slots as tensors, and what each hook saw (local; the window is the owner's)."""
 
-    def __init__(
-        self, session: core.DataParallel, params: dict[str, Any], forward: Sequence[str], bucket_bytes: int, progress: str = "hooks"
-    ) -> None:
-        heads = session.trainable
-        slot = {h: i for i, h in enumerate(heads)}
-        order = [slot[h] for h in reversed(forward) if h in slot]  # backward finishes the last layers first
-        # "auto": a communication thread where the node has a core for it besides torch's computing threads
-        self.buckets = session.reduction_buckets(order, bucket_bytes, progress, torch.get_num_threads())
-        self.names = heads
+    def __init__(self, owner: Overlapped, heads: Sequence[str], params: dict[str, Any]) -> None:
+        self.owner = owner
+        self.names = tuple(heads)
         self.params = [params[h] for h in heads]
-        #: each slot's part of the send buffer, shaped like its parameter (float32); the receive buffer's, likewise
-        self.send = [torch.from_numpy(v).view(p.shape) for v, p in zip(self.buckets.views, self.params)]
-        # a slot of the tail is summed where it lies: its send and receive tensors are one
-        self.recv = [t if fixed else torch.from_numpy(v).view(p.shape) for t, v, p, fixed in zip(self.send, self.buckets.sums, self.params, self.buckets.fixed)]
+        #: per buffer, each slot's view as a tensor shaped like its parameter (a tail slot's is one tensor in both)
+        home = [torch.from_numpy(v).view(p.shape) for v, p in zip(owner.views(0), self.params)]
+        other = [t if v is w else torch.from_numpy(w).view(p.shape) for t, v, w, p in zip(home, owner.views(0), owner.views(1), self.params)]
+        self.tensors = (home, other)
         self.fp32 = [p.dtype == torch.float32 for p in self.params]
         self.paused = 0  # no_sync depth: backward passes that only accumulate
         self.running = False  # a backward pass made a slot ready and has not ended yet
         self.error: str | None = None  # the first thing that went wrong in a hook, for the next reduce
+        #: per slot, the ``.grad`` its hook saw and that tensor's version then (None: no hook in this window)
+        self.seen: list[tuple[torch.Tensor | None, int] | None] = [None] * len(self.params)
         self.hooks = [p.register_post_accumulate_grad_hook(self._hook(i)) for i, p in enumerate(self.params)]
 
-    def _hook(self, i: int) -> Any:
+    @classmethod
+    def create(cls, session: Session, params: dict[str, Any], forward: Sequence[str], bucket_bytes: int, progress: str) -> Overlap:
+        """Make the session's owner of overlapped windows and hook every trainable tie group (collective).
+
+        ``forward`` lists the tie-group heads in registration order: backward
+        finishes the last layers first, so the buckets follow it reversed.
+        ``progress``: ``"hooks"``, ``"thread"`` or ``"auto"`` (the thread where
+        every rank's node has a core for it besides torch's computing threads).
+        """
+        heads = session.trainable
+        slot = {h: i for i, h in enumerate(heads)}
+        order = [slot[h] for h in reversed(forward) if h in slot]
+        return cls(Overlapped.create(session, order, bucket_bytes, progress, torch.get_num_threads()), heads, params)
+
+    @property
+    def mode(self) -> str:
+        """``"thread"`` or ``"hooks"``: the progress mode the owner chose (local)."""
+        return self.owner.mode
+
+    @property
+    def send(self) -> list[torch.Tensor]:
+        """Each slot's send view, as a tensor (what a float32 ``.grad`` is between windows)."""
+        return self.tensors[self.owner.side]
+
+    def _hook(self, i: int) -> Callable[[torch.Tensor], None]:
         def hook(p: torch.Tensor) -> None:
             if self.paused:
                 return
@@ -58,8 +77,11 @@ class Overlap:
                 if not self.running:
                     self.running = True
                     torch.autograd.Variable._execution_engine.queue_callback(self._ended)
-                self.fill(i)
-                self.buckets.ready(i)
+                if self.seen[i] is None:  # finished again: the changed .grad is taken at reduce, after the calls
+                    self.fill(i)
+                    g = p.grad
+                    self.seen[i] = (g, -1 if g is None else g._version)
+                self.owner.ready(i)
             except Exception as e:  # noqa: BLE001 - reported to every rank at the next reduce, never raised in backward
                 self.error = self.error or f"the gradient hook of {self.names[i]!r} failed: {type(e).__name__}: {e}"
 
@@ -83,74 +105,86 @@ class Overlap:
         if dense and self.fp32[i]:
             p.grad = t  # later backward passes accumulate in the send slot: no copy next time
 
+    def changed(self) -> dict[int, np.ndarray | None]:
+        """Slots whose ``.grad`` changed since their hook, with the float32 values to send (None: already in place)."""
+        out: dict[int, np.ndarray | None] = {}
+        for i, seen in enumerate(self.seen):
+            if seen is None:
+                continue
+            g = self.params[i].grad
+            if g is seen[0] and (g is None or g._version == seen[1]):
+                continue
+            if g is None:
+                out[i] = np.zeros(self.send[i].numel(), np.float32)
+            elif g is self.send[i]:
+                out[i] = None
+            else:
+                out[i] = (g if g.layout == torch.strided else g.to_dense()).detach().to(torch.float32).reshape(-1).numpy()
+        return out
+
     def problem(self) -> str | None:
         """What this rank's backward passes did wrong in this window, for the agreement (local)."""
         if self.error is not None:
             return self.error
         if self.running:
+            complete, buckets = self.owner.started()
             return (
-                f"a backward pass did not finish (did it raise?) after starting {self.buckets.started} of "
-                f"{len(self.buckets)} reduction buckets; run a complete backward before reduce"
-            )
-        if self.buckets.stale:
-            return (
-                "a gradient was finished twice in this window while its reduction could be in flight: "
-                "with overlap=True, run every backward pass of a window but the last under dp.no_sync()"
+                f"a backward pass did not finish (did it raise?) after completing {complete} of "
+                f"{buckets} reduction buckets; run a complete backward before reduce"
             )
         return None
 
-    def reduce(self, session: core.DataParallel, grads: dict[str, Any], weight: Any, policy: Any, step: Any = None) -> int:
-        """Agree, finish the buckets, write ``sum / global_weight`` into ``.grad`` (collective)."""
+    def reduce(self, params: Callable[[], dict[str, Any]], heads: Sequence[str], weight: Any, policy: Any, step: Any) -> int:
+        """Fill what backward left, let the owner reduce the window, write ``sum / global_weight`` into ``.grad`` (collective)."""
+        self.owner.handoff()  # let the communication thread begin the last bucket before this thread's Python work
+        error = self.problem()
         try:
-            agreed = session.reduce_buckets(grads, weight, policy, self.problem(), self.fill, step=step)
+            try:
+                for i in self.owner.unready():
+                    self.fill(i)
+                changed = self.changed()
+            except Exception as e:  # noqa: BLE001 - agreed below; the rest of the window is sent as it is
+                error = error or f"could not copy a gradient into its reduction bucket: {type(e).__name__}: {e}"
+                changed = {}
+            now = params()  # the checks read .grad (a sparse one as its dense copy); the owner moves it
+            given = {h: g if g.layout == torch.strided else g.to_dense() for h in heads if h in now and (g := now[h].grad) is not None}
+            outcome = self.owner.reduce(given, weight, policy, step, error, changed)
         finally:
             self.running, self.error = False, None
-        if self.buckets.divided is not None:  # the communication thread divided the sums already
-            self._divided(agreed.present(len(self.params)))
-            return agreed.global_weight
-        w = np.float32(agreed.global_weight)
-        for i, (p, here) in enumerate(zip(self.params, agreed.present(len(self.params)))):
-            if not here:
-                p.grad = None
-                continue
-            g, t, total = p.grad, self.send[i], self.buckets.sums[i]
-            fixed = self.buckets.fixed[i]  # the tail's sums are divided already, in the send slot
-            if self.fp32[i]:
-                if not fixed:
-                    np.divide(total, w, out=self.buckets.views[i])
-                if g is None or g is t or g.layout != torch.strided:
-                    p.grad = t
-                else:
-                    g.copy_(t)
-                continue
-            if not fixed:
-                np.divide(total, w, out=total)
-            result = torch.from_numpy(total).view(p.shape)
-            if g is None or g.layout != torch.strided:
-                p.grad = result.to(p.dtype)
-            else:
-                g.copy_(result)
-        return agreed.global_weight
+            self.seen = [None] * len(self.params)
+        self._write(outcome.present)
+        return outcome.global_weight
 
-    def _divided(self, present: Sequence[bool]) -> None:
-        """Write the divided sums into ``.grad``: a float32 ``.grad`` becomes its receive slot, and the buffers swap roles."""
+    def _write(self, present: Sequence[bool]) -> None:
+        """Write the results into ``.grad``: a float32 one becomes its send slot, which holds them."""
+        send, old = self.tensors[self.owner.side], self.tensors[1 - self.owner.side]
         for i, (p, here) in enumerate(zip(self.params, present)):
-            g, t = p.grad, self.recv[i]
+            g, t = p.grad, send[i]
             if not here:
                 p.grad = None
-            elif g is None or g.layout != torch.strided or (self.fp32[i] and g is self.send[i]):
+            elif g is None or g.layout != torch.strided or (self.fp32[i] and (g is t or g is old[i])):
                 p.grad = t if self.fp32[i] else t.to(p.dtype)
             else:
                 g.copy_(t)
-        self.buckets.swap()  # the next backward accumulates in these .grad: they are its send slots
-        self.send, self.recv = self.recv, self.send
 
     def expect_weight(self, weight: Any) -> None:
         """This rank's local weight for the window to come, before its last backward (see DataParallel.expect_weight)."""
-        if type(weight) is not int or weight < 0:
+        if type(weight) is not int or not 0 <= weight < (1 << 64) - 1:
             self.error = self.error or f"expect_weight takes the local weight as a non-negative int, got {weight!r}"
             return
-        self.buckets.expect(weight)
+        self.owner.expect(weight)
+
+    @contextmanager
+    def between(self) -> Iterator[None]:
+        """Around another mpidp operation: a window this rank began ends with that operation (collective)."""
+        self.owner.interrupt()
+        try:
+            yield
+        finally:
+            self.owner.resume()
+            if not self.owner.began():
+                self.running, self.error = False, None
+                self.seen = [None] * len(self.params)
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -162,12 +196,14 @@ class Overlap:
 
     def zero_grad(self) -> None:
         """Zero every send slot and every ``.grad`` that is not one (local)."""
-        self.buckets.zero()
+        self.owner.zero()
         for p, t in zip(self.params, self.send):
             if p.grad is not None and p.grad is not t:
                 p.grad.zero_()
 
     def close(self) -> None:
+        """Remove the hooks and close the owner (collective)."""
         for hook in self.hooks:
             hook.remove()
         self.hooks = []
+        self.owner.close()

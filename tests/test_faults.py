@@ -122,8 +122,8 @@ def test_watchdog_is_armed_while_initialize_waits(mode: str) -> None:
     [
         # the PyTorch adapter's own collectives (its buffers) are watched like the core's
         ("skip-buffers", r"broadcast_buffers: agreement"),
-        # overlap=True: close agrees first (the buckets' calls started in backward wait meanwhile)
-        ("skip-overlap", r"close: agreement"),
+        # overlap="hooks": the exchange that opens the window before its first bucket, under the session's watchdog
+        ("skip-overlap", r"reduce \(window 1\): open"),
         # overlap='thread': the thread's blocking calls are watched by the buckets' own watchdog (the session's timeout)
         ("skip-overlap-thread", r"reduce: Allreduce \(communication thread\)"),
     ],

@@ -23,11 +23,12 @@ torch = pytest.importorskip("torch")
 from test_torch import IGNORE, REDUCE_ERRORS, TinyLM, grads, loss_sum, micro_batches, shards, window
 from torch import nn
 
+import mpidp.buckets
+import mpidp.casts
 import mpidp.comm
-import mpidp.overlap
 import mpidp.torch
 from mpidp import ContractError, MissingGradientPolicy
-from mpidp.overlap import layout
+from mpidp.buckets import layout
 
 ZERO, ERROR = MissingGradientPolicy.ZERO, MissingGradientPolicy.ERROR
 #: buckets of 64 float32 values: TinyLM's 12 slots fill about 10 buckets
@@ -136,7 +137,7 @@ def test_overlap_sums_bfloat16_gradients_in_float32_like_the_plain_path(comm: MP
                 session.reduce(local_weight=x.numel())
             assert over.low.weight.grad.dtype == torch.bfloat16
             # given before backward, the weights let the thread divide as it summed
-            assert do._overlap.buckets.divided == (sum(comm.allgather(x.numel())) if early and mode == "thread" else None)
+            assert do._overlap.owner.divided == (sum(comm.allgather(x.numel())) if early and mode == "thread" else None)
             same_grads_everywhere(comm, plain, over)
             for model in (plain, over):
                 model.zero_grad()
@@ -237,15 +238,100 @@ def test_a_parameter_unused_everywhere_is_refused_under_error_then_absent_under_
         same_grads_everywhere(comm, plain, over)
 
 
-def test_a_second_backward_outside_no_sync_is_refused_on_every_rank(comm: MPI.Comm, mode: str) -> None:
-    model = TinyLM(100, extras=False)
-    with mpidp.torch.DataParallel(model, comm, overlap=mode, **SMALL) as do:
-        weight = window(comm, model)
-        if comm.rank == comm.size - 1:
-            weight += window(comm, model)
-        same_error_everywhere(comm, lambda: do.reduce(local_weight=weight), ContractError, f"rank {comm.size - 1}: ", "dp.no_sync()")
-        model.zero_grad()
-        do.reduce(local_weight=window(comm, model))  # the next window goes ahead
+def test_a_second_backward_outside_no_sync_is_summed_again_like_the_plain_path(comm: MPI.Comm, mode: str) -> None:
+    """Every slot is finished twice on the last rank: every rank sums every bucket again after backward (issue 32)."""
+    (plain, dp), (over, do) = pair(lambda s: TinyLM(s, extras=False), comm, mode, **SMALL)
+    with dp, do:
+        for step in range(2):
+            for model, session in ((plain, dp), (over, do)):
+                weight = window(comm, model)
+                if comm.rank == comm.size - 1 and step == 0:
+                    weight += window(comm, model)
+                assert session.reduce(local_weight=weight) == sum(comm.allgather(weight))
+            same_grads_everywhere(comm, plain, over)
+            for model, session in ((plain, dp), (over, do)):
+                session.zero_grad()
+
+
+class Twice(nn.Module):
+    """One block used twice in a forward, under reentrant activation checkpointing: its parameters finish twice."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        with torch.random.fork_rng():
+            torch.manual_seed(seed)
+            self.embed = nn.Embedding(17, 8)
+            self.block = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+            self.head = nn.Linear(8, 17)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        h = self.embed(tokens)
+        for _ in range(2):
+            h = h + checkpoint(self.block, h, use_reentrant=True)
+        return self.head(h)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_a_module_used_twice_under_reentrant_checkpointing_equals_the_plain_path(comm: MPI.Comm, mode: str) -> None:
+    (plain, dp), (over, do) = pair(Twice, comm, mode, **SMALL)
+    with dp, do:
+        for step in range(3):
+            rng = np.random.default_rng([7, step, comm.rank])
+            x = torch.tensor(rng.integers(0, 17, size=(2, 4 + comm.rank)))
+            for model, session in ((plain, dp), (over, do)):
+                nn.functional.cross_entropy(model(x).flatten(0, 1), x.flatten(), reduction="sum").backward()
+                session.reduce(local_weight=x.numel())
+            same_grads_everywhere(comm, plain, over)
+            for model, session in ((plain, dp), (over, do)):
+                session.zero_grad()
+
+
+def halve_in_place(model: nn.Module) -> None:
+    model.mix.weight.grad.mul_(0.5)
+
+
+def halve_by_replacing(model: nn.Module) -> None:
+    model.mix.weight.grad = model.mix.weight.grad * 0.5
+
+
+def drop_one(model: nn.Module) -> None:
+    model.norm.bias.grad = None
+
+
+CHANGES = {"in place": halve_in_place, "replaced": halve_by_replacing, "set to None": drop_one}
+
+
+@pytest.mark.parametrize("change", sorted(CHANGES))
+@pytest.mark.parametrize("who", ["one", "every"])
+def test_a_gradient_changed_between_backward_and_reduce_is_included_like_the_plain_path(comm: MPI.Comm, mode: str, change: str, who: str) -> None:
+    """``.grad`` changed after its hook (its tensor or its version differ): the window is summed again (issue 32)."""
+    (plain, dp), (over, do) = pair(lambda s: TinyLM(s, extras=False), comm, mode, **SMALL)
+    with dp, do:
+        for step in range(2):
+            for model, session in ((plain, dp), (over, do)):
+                weight = window(comm, model)
+                if step == 0 and (who == "every" or comm.rank == comm.size - 1):
+                    CHANGES[change](model)
+                session.reduce(local_weight=weight, policy=ZERO)
+            same_grads_everywhere(comm, plain, over)
+            for model, session in ((plain, dp), (over, do)):
+                session.zero_grad()
+
+
+def test_a_hook_added_after_wrapping_that_changes_the_gradient_is_included(comm: MPI.Comm, mode: str) -> None:
+    (plain, dp), (over, do) = pair(lambda s: TinyLM(s, extras=False), comm, mode, **SMALL)
+    with dp, do:
+        def quarter(p: torch.Tensor) -> None:
+            p.grad.mul_(0.25)
+
+        for model in (plain, over):
+            for p in model.parameters():
+                p.register_post_accumulate_grad_hook(quarter)
+        for model, session in ((plain, dp), (over, do)):
+            session.reduce(local_weight=window(comm, model))
+        same_grads_everywhere(comm, plain, over)
 
 
 class Fails(torch.autograd.Function):
@@ -332,7 +418,7 @@ def communication_threads() -> list[Any]:
 def test_thread_mode_runs_a_communication_thread_that_close_joins(comm: MPI.Comm) -> None:
     model = TinyLM(100, extras=False)
     do = mpidp.torch.DataParallel(model, comm, overlap="thread", **SMALL)
-    assert do._overlap.buckets.threaded
+    assert do.overlap == "thread"
     do.reduce(local_weight=window(comm, model))
     assert len(communication_threads()) == 1  # started by the first bucket; asleep between windows
     do.close()
@@ -343,14 +429,15 @@ def test_thread_mode_runs_a_communication_thread_that_close_joins(comm: MPI.Comm
 def test_the_last_bucket_is_summed_after_the_agreement_where_it_lies(comm: MPI.Comm, mode: str, early: bool) -> None:
     """The tail (what backward finishes last) is not summed during backward: in place in ``.grad``, once the window is agreed."""
     (plain, dp), (over, do) = pair(lambda s: TinyLM(s, extras=False), comm, mode, **SMALL)
-    buckets = do._overlap.buckets  # type: ignore[union-attr]
-    tail = [i for i, fixed in enumerate(buckets.fixed) if fixed]
-    assert tail and tail == sorted(buckets._slots[-1]) and len(buckets) > 1
-    sizes = [v.size for v in buckets.views]
+    owner = do._overlap.owner  # type: ignore[union-attr]
+    state = owner._state
+    tail = [i for i, fixed in enumerate(state.fixed) if fixed]
+    assert tail and tail == sorted(state._slots[-1]) and len(state) > 1
+    sizes = [v.size for v in owner.views(0)]
     by_thread: list[int] = []  # what the buckets' own communicator sums (the thread's calls, or the hooks' non-blocking ones)
     name = "Allreduce_into" if mode == "thread" else "Iallreduce"
-    real = getattr(buckets.comm, name)
-    setattr(buckets.comm, name, lambda send, recv, op: (by_thread.append(send.size), real(send, recv, op))[1])
+    real = getattr(owner._engine.comm, name)
+    setattr(owner._engine.comm, name, lambda send, recv, op: (by_thread.append(send.size), real(send, recv, op))[1])
     with dp, do:
         for step in range(3):
             by_thread.clear()
@@ -361,13 +448,12 @@ def test_the_last_bucket_is_summed_after_the_agreement_where_it_lies(comm: MPI.C
                     do.expect_weight(weight)
                 session.reduce(local_weight=weight)
             same_grads_everywhere(comm, plain, over)
-            weights = 3 if mode == "thread" else 0  # the thread's first call sums the weights
             if mode == "thread":  # the hooks leave to blocking calls what no rank started during backward
-                assert sum(by_thread) == weights + sum(sizes) - sum(sizes[i] for i in tail), step  # every bucket but the tail
+                assert sum(by_thread) == sum(sizes) - sum(sizes[i] for i in tail), step  # every bucket but the tail
             else:
                 assert sum(by_thread) <= sum(sizes) - sum(sizes[i] for i in tail), step
             for i in tail:  # the tail's .grad is its send slot: summed and divided where it lies, no copy
-                assert do._overlap.params[i].grad.data_ptr() == buckets.views[i].ctypes.data, (step, i)  # type: ignore[union-attr]
+                assert do._overlap.params[i].grad.data_ptr() == owner.views(0)[i].ctypes.data, (step, i)  # type: ignore[union-attr]
 
 
 @pytest.mark.parametrize("after", [False, True])
@@ -384,26 +470,23 @@ def test_an_exception_in_the_communication_thread_is_one_error_everywhere_then_i
     with dp, do:
         calls = iter(range(1000))
         if comm.rank == bad and not after:
-            real = do._overlap.buckets.comm.Allreduce_into
+            real = do._overlap.owner._engine.comm.Allreduce_into
 
             def failing(*args: Any) -> None:
                 if next(calls) == 2:  # the third call, in backward
                     raise MemoryError("injected")
                 real(*args)
 
-            do._overlap.buckets.comm.Allreduce_into = failing
+            do._overlap.owner._engine.comm.Allreduce_into = failing
         if comm.rank == bad and after:
 
-            class Numpy:
-                def __getattr__(self, name: str) -> Any:
-                    return getattr(np, name)
-
+            class Casts:  # the one division by the global weight (mpidp.casts), failing in the thread's third
                 def divide(self, *args: Any, **kwargs: Any) -> Any:
                     if next(calls) == 2:
                         raise MemoryError("injected")
-                    return np.divide(*args, **kwargs)
+                    return mpidp.casts.divide(*args, **kwargs)
 
-            monkeypatch.setattr(mpidp.overlap, "np", Numpy())
+            monkeypatch.setattr(mpidp.buckets, "casts", Casts())
         weight = window(comm, over, backward=False)
         if after:
             do.expect_weight(weight)  # the thread divides after each call
@@ -461,7 +544,7 @@ def test_without_thread_multiple_thread_mode_is_refused_everywhere_and_auto_uses
         )
         return
     with mpidp.torch.DataParallel(model, comm, overlap=ask, **SMALL) as do:
-        assert not do._overlap.buckets.threaded
+        assert do.overlap == "hooks"
         do.reduce(local_weight=window(comm, model))
 
 
@@ -470,7 +553,7 @@ def test_auto_takes_the_thread_only_where_every_node_has_a_core_to_spare(comm: M
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)), raising=False)
     model = TinyLM(100, extras=False)
     with mpidp.torch.DataParallel(model, comm, overlap=True, **SMALL) as do:
-        assert do._overlap.buckets.threaded == (cores == 1024)
+        assert do.overlap == ("thread" if cores == 1024 else "hooks")
         do.reduce(local_weight=window(comm, model))
 
 
@@ -493,3 +576,105 @@ def test_a_bad_overlap_value_is_refused_on_every_rank(comm: MPI.Comm, where: tup
         comm, lambda: mpidp.torch.DataParallel(model, comm, **options), ContractError,
         f"rank {bad}: overlap must be False, True, 'hooks' or 'thread', got {overlap!r}",
     )
+
+
+# ------------------------------------------------- a rank in another operation
+
+
+def clean_window(comm: MPI.Comm, plain: tuple[nn.Module, Any], over: tuple[nn.Module, Any]) -> None:
+    """Zero both models' gradients, run one window on every rank, and compare: the session still works."""
+    for model, session in (plain, over):
+        session.zero_grad()
+    for model, session in (plain, over):
+        session.reduce(local_weight=window(comm, model))
+    same_grads_everywhere(comm, plain[0], over[0])
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("backward", [False, True])
+def test_a_rank_in_verify_replicas_while_the_others_reduce_is_one_error_everywhere_then_it_goes_on(
+    comm: MPI.Comm, mode: str, backward: bool
+) -> None:
+    """Issue 32 item 1b: no rank waits for another's part of a bucket; the rank in verify_replicas catches and goes on.
+
+    ``backward``: the last rank runs its backward too before it calls verify_replicas (a window it began).
+    """
+    (plain, dp), (over, do) = pair(lambda s: TinyLM(s, extras=False), comm, mode, **SMALL)
+    last = comm.rank == comm.size - 1
+    with dp, do:
+        if last and backward:
+            window(comm, over)
+
+        def step() -> None:
+            if last:
+                do.verify_replicas()
+                return
+            do.reduce(local_weight=window(comm, over))
+
+        message = same_error_everywhere(comm, step, ContractError, "ranks are in different mpidp operations")
+        assert f"rank {comm.size - 1} in verify_replicas" in message, message
+        if last and backward:  # its window goes on: reduce what it began; the others join in with a window of their own
+            do.zero_grad()
+        clean_window(comm, (plain, dp), (over, do))
+        clean_window(comm, (plain, dp), (over, do))
+
+
+def test_verify_replicas_between_backward_and_reduce_on_every_rank_still_equals_the_plain_path(comm: MPI.Comm, mode: str) -> None:
+    """Legal, if slow: the window's buckets end with the other operation, and reduce sends the gradients again."""
+    (plain, dp), (over, do) = pair(lambda s: TinyLM(s, extras=False), comm, mode, **SMALL)
+    with dp, do:
+        for model, session in ((plain, dp), (over, do)):
+            weight = window(comm, model)
+            session.verify_replicas()
+            session.broadcast_buffers()
+            session.reduce(local_weight=weight)
+        same_grads_everywhere(comm, plain, over)
+        clean_window(comm, (plain, dp), (over, do))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_rank_that_skips_reduce_in_a_join_loop_is_one_error_everywhere_then_it_goes_on(comm: MPI.Comm, mode: str) -> None:
+    """The rank whose batches ran out forgets ``reduce(local_weight=0)``: it asks join while the others reduce."""
+    (plain, dp), (over, do) = pair(lambda s: TinyLM(s, extras=False), comm, mode, **SMALL)
+    last = comm.rank == comm.size - 1
+    batches = [1] if last else [1, 2]
+    with dp, do:
+
+        def loop() -> None:
+            for batch in do.join(batches):
+                if batch is None:
+                    continue  # the mistake: no reduce for this step
+                do.reduce(local_weight=window(comm, over))
+                do.zero_grad()
+
+        message = same_error_everywhere(comm, loop, ContractError, "ranks are in different mpidp operations")
+        assert f"rank {comm.size - 1} in join" in message, message
+        clean_window(comm, (plain, dp), (over, do))
+
+
+# ------------------------------------------------------------- small promises
+
+
+@pytest.mark.parametrize("kind", ["tensor", "numpy"])
+def test_expect_weight_takes_what_reduce_takes(comm: MPI.Comm, kind: str) -> None:
+    """Issue 32 item 4: an integer tensor of one element or a NumPy integer, as ``reduce(local_weight=...)``."""
+    (plain, dp), (over, do) = pair(lambda s: TinyLM(s, extras=False), comm, "thread", **SMALL)
+    with dp, do:
+        weight = window(comm, over, backward=False)
+        do.expect_weight(torch.tensor(weight) if kind == "tensor" else np.int64(weight))
+        for model, session in ((plain, dp), (over, do)):
+            session.reduce(local_weight=window(comm, model))
+        assert do._overlap.owner.divided == sum(comm.allgather(weight))  # taken: the thread divided as it summed
+        same_grads_everywhere(comm, plain, over)
+
+
+@pytest.mark.parametrize("ask", [False, "hooks", "thread"])
+def test_the_mode_overlap_chose_is_a_public_attribute(comm: MPI.Comm, ask: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 32 item 5: ``dp.overlap`` is "thread", "hooks" or None; ``overlap=True`` says what it picked."""
+    model = TinyLM(100, extras=False)
+    with mpidp.torch.DataParallel(model, comm, overlap=ask, **SMALL) as do:
+        assert do.overlap == (ask or None)
+    for cores, picked in ((1, "hooks"), (1024, "thread")):
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid, n=cores: set(range(n)), raising=False)
+        with mpidp.torch.DataParallel(model, comm, overlap=True, **SMALL) as do:
+            assert do.overlap == picked

@@ -144,7 +144,7 @@ def agree_window(rows: list[dict[str, Any]]) -> list[list[int]]:
 
 def test_a_frame_starts_with_the_operation_and_the_error_flag() -> None:
     frame = Frame(Window.body(3))
-    assert frame.width == 2 + 3 + 1
+    assert frame.width == 2 + 4 + 1  # kind, error; step, policy, weight, the adapter's extra word; one presence word
     f = frame.new(VERIFY)
     assert f.dtype == np.uint64 and f[KIND] == VERIFY and not f[1:].any()
 
@@ -249,3 +249,21 @@ def test_verify_and_regions_records_by_name() -> None:
 def test_first_different() -> None:
     assert first_different([3, 3, 3]) is None
     assert first_different([3, 3, 4, 5]) == 2
+
+
+def test_the_open_record_divides_only_where_every_rank_gave_a_weight_and_none_is_zero() -> None:
+    from mpidp.records import OPEN, OPERATIONS, Open
+
+    def rows(*weights: int | None, closing: tuple[int, ...] = ()) -> list[list[int]]:
+        return [[OPEN, 0, 0 if w is None else w + 1, int(r in closing)] for r, w in enumerate(weights)]
+
+    assert Open.divisor(rows(3, 4)) == 7
+    assert Open.divisor(rows(3, None)) is None and Open.divisor(rows(3, 0)) is None
+    assert Open.closing(rows(1, 1, 1, closing=(1, 2))) == [1, 2]
+    assert OPERATIONS[OPEN].startswith("reduce")
+
+
+def test_the_window_record_carries_the_adapters_extra_word() -> None:
+    frame = Frame(Window.body(3)).new(WINDOW)
+    Window.fill(frame, 0, 0, 5, np.zeros(1, np.uint64), extra=(7 << 1) | 1)
+    assert frame[Window.EXTRA] == 15 and frame[Window.WEIGHT] == 5 and Window.PRESENCE == Window.EXTRA + 1

@@ -12,9 +12,9 @@ and when the communication thread's calls ran, relative to the end of
 backward on rank 0, then the parts of ``reduce``: the checks, the agreement
 (checks and exchange), and the last bucket, summed in place after it
 (``tail``). A probe, not a benchmark: it wraps private methods of the
-session to read the clock (``Buckets._queue``, the buckets'
+session to read the clock (the progress engine's ``queue``, the buckets'
 communicator's ``Allreduce_into``, ``DataParallel.agree_window`` and
-``_check_window``, ``Buckets.finish_tail``).
+``_check_window``, ``Overlapped._finish``, which sums the tail).
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def main() -> int:
     dp = mpidp.torch.DataParallel(model, flat_parameters=True, overlap="thread", bucket_bytes=args.bucket_bytes)
     x, target = batch(COMM.rank, torch.Generator().manual_seed(COMM.rank + 1))
     tokens = int((target != -100).sum())
-    buckets = dp._overlap.buckets  # type: ignore[union-attr]
+    owner = dp._overlap.owner  # type: ignore[union-attr]
     events: list[tuple[Any, ...]] = []
     start = [0.0]
 
@@ -79,11 +79,11 @@ def main() -> int:
 
         setattr(obj, name, timed)
 
-    wrap(buckets.comm, "Allreduce_into", "call")
-    wrap(buckets, "_queue", "queue")
+    wrap(owner._engine.comm, "Allreduce_into", "call")
+    wrap(owner._engine, "queue", "queue")
     wrap(dp._core, "agree_window", "agreement")
     wrap(dp._core, "_check_window", "checks")
-    wrap(buckets, "finish_tail", "tail")
+    wrap(owner, "_finish", "tail")
     for step in range(args.steps):
         events.clear()
         COMM.Barrier()

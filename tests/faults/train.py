@@ -10,13 +10,14 @@
   others wait in mpidp's exchange until the watchdog (MPIDP_TIMEOUT) aborts.
 - ``skip-buffers``: the same with the PyTorch adapter: rank 3 skips
   ``broadcast_buffers``, whose collectives the adapter's own watchdog watches.
-- ``skip-overlap``: the PyTorch adapter with ``overlap=True``: ranks 0-2 run a
-  backward (its buckets start summing) and close; rank 3 runs none and waits in
-  the user's own barrier; the others wait for their buckets until the watchdog
-  aborts.
-- ``skip-overlap-thread``: the same with ``overlap="thread"``: ranks 0-2's
-  communication threads wait in their first bucket's blocking Allreduce until
-  the buckets' own watchdog aborts.
+- ``skip-overlap``: the PyTorch adapter with ``overlap="hooks"``: ranks 0-2 run a
+  backward and close; rank 3 runs none and waits in the user's own barrier; the
+  others wait in the exchange that opens the window before its first bucket
+  until the watchdog aborts.
+- ``skip-overlap-thread``: ``overlap="thread"``: rank 3 runs a backward through
+  the last layer only (the window opens, its first buckets are summed), then
+  waits in the user's own barrier; ranks 0-2's communication threads wait in
+  the first layer's bucket until the buckets' own watchdog aborts.
 - ``thread-mpi-error``: ``overlap="thread"``; MPI fails inside rank 3's
   communication thread (a CollectiveError, injected): the collectives cannot
   finish, so rank 3 prints the traceback and aborts the job.
@@ -78,9 +79,11 @@ if mode in ("skip-overlap", "skip-overlap-thread", "thread-mpi-error"):
         def failing(*args: object) -> None:
             raise mpidp.CollectiveError("MPI_Allreduce failed on rank 3: injected")
 
-        tdp._overlap.buckets.comm.Allreduce_into = failing  # type: ignore[union-attr]
+        tdp._overlap.owner._engine.comm.Allreduce_into = failing  # type: ignore[union-attr]
         print(f"rank {rank}: failing in MPI at {time.time():.3f}", flush=True)
     if rank == 3 and mode != "thread-mpi-error":
+        if mode == "skip-overlap-thread":
+            model[1](torch.ones(2, 64)).sum().backward()
         print(f"rank {rank}: skipping the backward and close at {time.time():.3f}", flush=True)
         comm.Barrier()
     model(torch.ones(2, 64)).sum().backward()

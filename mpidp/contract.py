@@ -73,12 +73,10 @@ def build(params: Any, frozen: Any, device: str | None) -> Local:
         frozen_set = set(frozen)
     except TypeError:
         return Local((), (), (), f"frozen must be a collection of names, got {type(frozen).__name__}")
-    error: str | None = None
     if device is not None and device != "cpu" and (not isinstance(device, str) or re.fullmatch(r"cuda:\d+", device) is None):
         return Local((), (), (), f"device must be 'cpu' or 'cuda:N', got {device!r}")
     unknown = sorted(str(n) for n in frozen_set - set(names))
-    if unknown:
-        error = f"frozen names unknown parameter {unknown[0]!r}"
+    error = f"frozen names unknown parameter {unknown[0]!r}" if unknown else None
     entries: list[Entry] = []
     values: list[Any] = []
     infos: list[ArrayInfo] = []

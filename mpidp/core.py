@@ -11,83 +11,24 @@ functions :func:`start` and :func:`broadcast_regions` are the adapters'
 
 from __future__ import annotations
 
-import contextlib
-import enum
-import numbers
 import warnings
-import zlib
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple, TypeVar
 
-import numpy as np
-
-from . import arrays, checks, cuda, exact, exact_window, guard, launch, layout, records
+from . import checks, cuda, guard, launch, layout, records, window
 from . import comm as _mpi
 from .checks import ByteRegions
 from .comm import Communicator, MPIComm
-from .errors import CollectiveError, ContractError, DataParallelError
+from .errors import CollectiveError, ContractError
 from .layout import flat_parameters
-from .packing import (
-    BCAST_OWN_BYTES,
-    BCAST_SPLIT_BYTES,
-    DEFAULT_CHUNK_BYTES,
-    bcast_calls,
-    plan,
-    slot,
-)
-from .records import U64_MAX, Frame, Setup, Window
-from .window import Cache, Given, Slots, Transport, check_gradients, reduce_slots
+from .packing import DEFAULT_CHUNK_BYTES
+from .records import U64_MAX, Window
+from .session import Session
+from .window import Agreed, Checked, Given, MissingGradientPolicy, ReducedGradients
 
 T = TypeVar("T")
 
 __all__ = ["Agreed", "ByteRegions", "Checked", "DataParallel", "Facts", "MPIComm", "MissingGradientPolicy", "ReducedGradients", "broadcast_regions", "flat_parameters", "start"]
-
-
-class MissingGradientPolicy(enum.Enum):
-    """What to do about a trainable parameter that has no local gradient."""
-
-    #: Refuse the window when a rank with a non-zero local weight lacks a gradient.
-    ERROR = 0
-    #: Contribute zeros; a parameter no weighted rank has a gradient for stays absent.
-    ZERO = 1
-
-
-@dataclass(frozen=True)
-class ReducedGradients:
-    """Globally token-weighted gradients of one accumulation window."""
-
-    #: ``sum over ranks of grad / global_weight`` per globally present parameter.
-    gradients: dict[str, Any]
-    #: Exact sum of the local weights over all ranks.
-    global_weight: int
-
-
-class Checked(NamedTuple):
-    """This rank's window, checked locally (:meth:`DataParallel.check_window`): its record and its first error."""
-
-    given: list[Given | None]  # this rank's gradient per reduction slot (checked), None where it has none
-    weight: int  # this rank's local weight
-    code: int  # the policy's value
-    step: int  # the STEP word
-    presence: np.ndarray  # the presence words
-    error: str | None
-
-
-class Agreed(NamedTuple):
-    """The facts of a window every rank agreed on (:meth:`DataParallel.agree_window`), and this rank's gradients."""
-
-    given: list[Given | None]  # this rank's gradient per reduction slot (checked), None where it has none
-    weight: int  # this rank's local weight
-    global_weight: int
-    key: tuple[int, ...]  # the presence words OR-ed over the ranks with a weight
-    zero_weight: bool  # some rank has weight 0: its gradients count as zeros
-    extra: tuple[int, ...] = ()  # every rank's EXTRA word (the adapter's own, :meth:`DataParallel.agree_window`)
-    exact: tuple[exact.Facts, ...] | None = None  # per slot, the agreed facts of the exact reduction (exact sessions)
-
-    def present(self, slots: int) -> list[bool]:
-        """Whether each reduction slot is globally present."""
-        return Window.present(self.key, slots)
 
 
 class Facts(NamedTuple):
@@ -101,43 +42,12 @@ class Facts(NamedTuple):
     timeout: float | None  # the watchdog's seconds (None: off)
 
 
-class DataParallel:
+class DataParallel(Session):
     """A rank's replicated training session over a private duplicate of ``comm``.
 
     Create it with :meth:`initialize`. Local object identities may differ
     between ranks: names and tie topology decide the order of collectives.
     """
-
-    def __init__(self, comm: Communicator, params: Mapping[str, Any], local: checks.Found, watchdog: guard.Watchdog | None) -> None:
-        found = local.found
-        self._comm = comm
-        self._params = params
-        self._contract = found.contract
-        self._arrays = found.arrays
-        self._infos = found.infos
-        self._device = found.device
-        self._cuda_aware = local.aware
-        self._root = local.setup.root
-        self._chunk_bytes = local.setup.chunk_bytes
-        self._watchdog = watchdog
-        self._transport = Transport(comm, local.stage, local.gpu, local.scatter, local.casts)
-        #: (name, array, signature) per entry: what _check_replica compares every window
-        self._replica = tuple(zip((e.name for e in found.contract), found.arrays, map(arrays.signature, found.arrays)))
-        #: contract indices of every tie-group head (frozen ones included): what is broadcast and verified
-        self._heads = tuple(i for i, e in enumerate(self._contract) if e.alias == i)
-        self._slots = Slots(found.contract, found.infos, found.arrays)
-        #: the exact reduction's integer sums (:mod:`mpidp.exact`), in an exact session
-        self._exact = exact_window.ExactWindow(self._slots, Window.PRESENCE + self._slots.words) if local.setup.exact else None
-        extra = len(self._slots) if self._exact is not None else 0  # a word per slot: its exact facts
-        self._frame = Frame(max(Window.body(len(self._slots)) + extra, len(self._heads), 1))
-        self._window_frame = self._frame.new(records.WINDOW)  # reused: Allgather copies it out
-        self._judge = Window.judge(MissingGradientPolicy)
-        self._cache = Cache()
-        self._window = 0
-        self._closed = False
-        self._closing = False  # a rank is in close: this rank closes without asking again
-        self._exiting = False  # closed by the interpreter's exit, not by the program
-        self._failed: str | None = None  # set by the first CollectiveError: the session is unusable
 
     # ------------------------------------------------------------------ set-up
 
@@ -184,84 +94,6 @@ class DataParallel:
         options = {"chunk_bytes": chunk_bytes, "device": device, "abort_on_exception": abort_on_exception, "timeout": timeout, "exact": exact}
         return start(params, comm, root, frozen, options, checks.NO_REGIONS)
 
-    def _broadcast(self, everyone: list[Setup]) -> None:
-        """Bcast every tie-group head from root: array by array, or by runs of adjacent memory (agreed facts only).
-
-        Calls above chunk_bytes, and small calls of their own, only where no rank stages device memory
-        through its chunk-sized pinned buffer; whole memory runs (flat_parameters) only where every rank
-        has the same runs: every rank must build the same calls.
-        """
-        host = all(r.on_host for r in everyone)
-        runs = everyone[0].runs if host and all(r.runs == everyone[0].runs for r in everyone) else None
-        heads = [self._arrays[i] for i in self._heads]
-        if runs is None:
-            slots = [slot(arrays.view(a)) for a in heads]
-        else:
-            slots = [slot(layout.region(heads, run)) for run in runs]
-        split, own = (BCAST_SPLIT_BYTES, BCAST_OWN_BYTES) if host else (None, None)
-        calls = plan([s.flat.nbytes for s in slots], [True] * len(slots), self._chunk_bytes, split, own)
-        bcast_calls(calls, slots, self._transport.stage.view(np.uint8), self._bcast("initialize: Bcast"), self.rank == self._root)
-
-    def _bcast(self, operation: str) -> Callable[[Any], None]:
-        """Broadcast one buffer (host, or this session's device memory) from root (collective)."""
-        comm, gpu, root = self._comm, self._transport.gpu, self._root
-        if gpu is None:
-            return lambda b: comm.Bcast(b, root, operation)
-        return lambda b: gpu.bcast(comm, b, root, operation)
-
-    def _move_regions(self, regions: checks.ByteRegions, operation: str) -> None:
-        """Move every region's bytes from root in one host Bcast (the ranks agreed on the list)."""
-        blob = np.empty(sum(v.size for v in regions.views), dtype=np.uint8)
-        if blob.size == 0:
-            return
-        is_root = self.rank == self._root
-        bounds = np.cumsum([0] + [v.size for v in regions.views]).tolist()
-        if is_root:
-            for v, lo, hi in zip(regions.views, bounds, bounds[1:]):
-                blob[lo:hi] = v
-        self._comm.Bcast(blob, self._root, operation)
-        if not is_root:
-            for v, lo, hi in zip(regions.views, bounds, bounds[1:]):
-                v[...] = blob[lo:hi]
-            regions.written()
-
-    # --------------------------------------------------------------- accessors
-
-    @property
-    def rank(self) -> int:
-        """This replica's rank in the communicator (local; no communication)."""
-        return self._comm.rank
-
-    @property
-    def world_size(self) -> int:
-        """Number of replicas (local; no communication)."""
-        return self._comm.size
-
-    @property
-    def device(self) -> str:
-        """This rank's device: ``"cpu"`` or ``"cuda:N"``; every array must live there (local)."""
-        return self._device
-
-    @property
-    def cuda_aware(self) -> tuple[bool, str]:
-        """Whether device buffers are handed to MPI directly, and why (False: staged through the host; local)."""
-        return self._cuda_aware
-
-    @property
-    def window(self) -> int:
-        """Number of :meth:`reduce` calls so far, failed ones included (local)."""
-        return self._window
-
-    @property
-    def names(self) -> tuple[str, ...]:
-        """Every parameter name, in contract (sorted) order (local; no communication)."""
-        return tuple(e.name for e in self._contract)
-
-    @property
-    def trainable(self) -> tuple[str, ...]:
-        """The name that heads each trainable tie group, in contract order (local; no communication)."""
-        return tuple(g.name for g in self._slots.groups)
-
     # ------------------------------------------------------------------ window
 
     def reduce(
@@ -279,56 +111,48 @@ class DataParallel:
         this rank's loss *sum* over the window; ``local_weight`` is the
         number of tokens (or samples) behind it. The result per globally
         present parameter is ``sum over ranks of grad / global_weight``,
-        summed in float32 and cast back to the parameter's dtype, bitwise
-        equal on every rank.
+        summed in float32 (``exact=True``: in integers) and cast back to the
+        parameter's dtype, bitwise equal on every rank.
 
-        The caller's gradient arrays are consumed: the results are written
-        into them in place and returned under the names they came with. A
-        globally present parameter this rank has no gradient for (policy
-        ZERO, or local weight 0) gets a new array; gradients of a rank with
-        weight 0 are ignored (counted as zeros). Parameters no weighted rank
-        has a gradient for are absent from the result.
+        The results are written into the caller's arrays and returned under
+        the names they came with; a globally present parameter this rank has
+        no gradient for (policy ZERO, or weight 0) gets a new array. A rank
+        of weight 0 counts as zeros; parameters no weighted rank has a
+        gradient for are absent from the result.
 
-        ``step`` is a number the caller counts, such as the optimizer step.
-        When any rank passes one, every rank must pass the same one: a rank
-        that skipped or repeated a ``reduce`` is then an error on every rank
-        instead of gradients silently paired with another rank's window (the
-        ranks cannot tell otherwise: each rank's n-th call is its window n).
-        None on every rank (the default) checks nothing. It travels in the
-        window's exchange: no extra collective.
-
-        Refilling the same arrays every window is the fast path: arrays that
-        are the last window's objects, unchanged, skip their checks, and from
-        the second window in a row the views cut for them are kept (and the
-        arrays referenced) until a window on other arrays, a window that raises,
-        or ``close``.
+        ``step`` (a number the caller counts, such as the optimizer step):
+        when any rank passes one, every rank must pass the same one, so that
+        a rank that skipped or repeated a ``reduce`` is an error everywhere.
+        Refilling the same arrays every window is the fast path: unchanged,
+        they skip their checks, and their views are kept (the arrays
+        referenced) until a window on other arrays, one that raises, or ``close``.
 
         Raises ContractError identically on every rank, before anything is
         modified, when any rank's input is invalid, ranks disagree on the
-        policy or the step, or the global weight is 0. Raises CollectiveError if MPI
-        fails while gradients move: like the reference design, which consumes
-        its input, the gradient arrays are then unspecified, and every later
-        call on this session raises CollectiveError too.
+        policy or the step, or the global weight is 0; CollectiveError if MPI
+        fails while gradients move (the gradients are then unspecified, and
+        every later call on this session raises CollectiveError too).
         """
         agreed = self.agree_window(self.check_window(grads, local_weight, policy, step=step))
-        given, weight, global_weight, key = agreed.given, agreed.weight, agreed.global_weight, agreed.key
         operation = f"reduce (window {self._window})"
-        if self._exact is not None:
-            try:
-                return ReducedGradients(self._exact.reduce(agreed, self._comm, self._chunk_bytes, operation), global_weight)
-            except CollectiveError as e:
-                self._failed = str(e)
-                raise
-        entry = self._cache.plan(key, self._slots.sizes, len(self._transport.stage), self._slots.kinds)
         try:
-            # device work (zeros, contiguous copies, casts, streams and events) runs on the session's device
-            with self._on_device():
-                out = reduce_slots(self._transport, self._cache, entry, self._slots.groups, given, weight, global_weight, operation)
+            if self._exact is not None:
+                out = self._exact.reduce(agreed, self._comm, self._chunk_bytes, operation)
+            else:
+                out = self._move(agreed, operation)
         except CollectiveError as e:
             self._failed = str(e)
             self._cache.forget()  # a broken session holds no gradient arrays
             raise
-        return ReducedGradients(out, global_weight)
+        return ReducedGradients(out, agreed.global_weight)
+
+    def _move(self, agreed: Agreed, operation: str) -> dict[str, Any]:
+        """Sum, divide and cast back the agreed window's gradients (collective): the results by name."""
+        entry = self._cache.plan(agreed.key, self._slots.sizes, len(self._transport.stage), self._slots.kinds)
+        with self._on_device():  # device work (zeros, contiguous copies, casts, streams and events) on the session's device
+            return window.reduce_slots(
+                self._transport, self._cache, entry, self._slots.groups, agreed.given, agreed.weight, agreed.global_weight, operation
+            )
 
     def check_window(self, grads: Mapping[str, Any], local_weight: Any, policy: Any, error: str | None = None, *, step: Any = None) -> Checked:
         """:meth:`reduce`'s local checks: this rank's window record and its first error (local; counts the window).
@@ -344,13 +168,13 @@ class DataParallel:
         if type(local_weight) is int and 0 <= local_weight <= U64_MAX and policy.__class__ is MissingGradientPolicy:
             weight, code = local_weight, policy.value  # the usual window, cheaply
         else:
-            weight, code, error = _check_weight(local_weight, policy, error)
+            weight, code, error = window.check_weight(local_weight, policy, error)
         if step is None:
             step_word = 0
         elif type(step) is int and 0 <= step < U64_MAX:
             step_word = step + 1
         else:
-            step_word, error = _check_step(step, error)
+            step_word, error = window.check_step(step, error)
         present = None if self._exact is None else self._exact.measure(given)
         complete = None not in given if present is None else all(present)  # Given never equals None: an identity test per entry, in C
         if present is None and not complete:
@@ -383,7 +207,7 @@ class DataParallel:
             operation = f"reduce (window {self._window}): exchange"
             rows = self._agree(self._window_frame, error, operation, self._judge, Window.AGREED)
             global_weight, key = Window.facts(rows, self._slots.words)
-            _check_global_weight(global_weight)
+            window.check_global_weight(global_weight)
             facts = None if self._exact is None else self._exact.facts(rows)
         except ContractError:
             self._cache.program = None  # a window that raises keeps no gradient arrays
@@ -431,7 +255,7 @@ class DataParallel:
         """This rank's replica and gradients, checked (local): the error, or None with ``given`` filled."""
         self._cache.again = False
         try:
-            error = self._check_replica() or check_gradients(grads, self._slots, self._cache, given)
+            error = window.check_replica(self._params, self._replica, self._infos) or window.check_gradients(grads, self._slots, self._cache, given)
             if error is None and self._transport.gpu is not None:
                 # torch's queued writes to the gradients are done before any device work of the window
                 # (and a CUDA error it reports is this rank's error, agreed, not a raise on one rank)
@@ -442,27 +266,6 @@ class DataParallel:
             given[:] = [None] * len(given)
             return f"could not read the gradients: {type(e).__name__}: {e}"
         return error
-
-    def _check_replica(self) -> str | None:
-        params = self._params
-        if len(params) != len(self._contract):
-            return f"the parameter mapping changed after initialize: {len(params)} names, expected {len(self._contract)}{REBUILD}"
-        get, signature = params.get, arrays.signature
-        for (name, array, sig), info in zip(self._replica, self._infos):
-            if get(name, None) is not array:
-                return f"parameter {name!r} was replaced or removed after initialize{REBUILD}"
-            if signature(array) == sig:
-                continue
-            now = arrays.describe(array)
-            if now != info:
-                return f"parameter {name!r} changed after initialize ({_changes(info, now)}){REBUILD}"
-        return None
-
-    def _usable(self) -> None:
-        if self._closed:
-            raise ContractError("this DataParallel is closed")
-        if self._failed is not None:
-            raise CollectiveError(f"an earlier collective failed ({self._failed}); this DataParallel cannot be used")
 
     # ------------------------------------------------- flat gradient storage
 
@@ -499,152 +302,9 @@ class DataParallel:
             with self._on_device():
                 self._cache.flat.zero()
 
-    def _on_device(self) -> Any:
-        """A context in which the session's CUDA device is current (nothing for host sessions)."""
-        gpu = self._transport.gpu
-        return contextlib.nullcontext() if gpu is None else gpu.current()
-
-    # ------------------------------------------------------------- utilities
-
-    def join(self, batches: Iterable[T]) -> Iterator[T | None]:
-        """Yield this rank's batches, then None until no rank has a batch left: uneven shards (collective).
-
-        Every rank iterates the same number of times, the length of the
-        longest shard: ``for batch in dp.join(loader):`` yields each local
-        batch, then None on a rank whose batches ran out while another rank
-        still has one, and stops on every rank at once when none has. A rank
-        whose batch is None takes part in the window with weight 0 and no
-        gradients (``dp.reduce({}, 0)``; the ERROR policy allows it), then
-        steps its optimizer with the returned gradients like every other
-        rank, so replicas stay equal; the token-weighted mean makes the
-        result exact, as one process over the same batches. Each step
-        asks every rank one small agreed question (one Allgather of a
-        frame, watched by the watchdog); ``batches`` is not read past its
-        end. The same for Horovod's ``hvd.join()`` and DDP's ``Join``.
-
-        Raises ContractError on every rank when a rank's ``batches`` raised
-        (``rank r: the batches raised ...``; on that rank the exception is
-        the cause) or ranks are in different operations (a rank in
-        ``reduce`` while another asks for its next batch).
-        """
-        self._usable()
-        it: Iterator[T] | None = None
-        done = False
-        step = 0
-        while True:
-            batch: T | None = None
-            error: str | None = None
-            cause: BaseException | None = None
-            if not done:
-                try:
-                    if it is None:
-                        it = iter(batches)
-                    batch = next(it)
-                except StopIteration:
-                    done = True
-                except Exception as e:  # noqa: BLE001 - reported to every rank, raised there alike
-                    error, cause = f"the batches raised {type(e).__name__}: {e}", e
-            self._usable()
-            frame = self._frame.new(records.JOIN)
-            frame[records.Join.HAS] = not done
-            try:
-                rows = self._agree(frame, error, f"join (step {step}): does any rank have a batch")
-            except ContractError as e:
-                if cause is not None:
-                    raise e from cause
-                raise
-            if not records.Join.any(rows):
-                return
-            step += 1
-            yield None if done else batch
-
-    def verify_replicas(self) -> None:
-        """Check that every rank's parameters are bitwise equal to the root's.
-
-        Collective. Compares a CRC-32 of every parameter's bytes; raises
-        ContractError on every rank naming the parameters and ranks that
-        differ (and nothing moves but one small Allgather).
-        """
-        self._usable()
-        frame = self._frame.new(records.VERIFY)
-        try:
-            error = self._check_replica()
-            if error is None:
-                for k, i in enumerate(self._heads):
-                    frame[records.Verify.CRCS + k] = zlib.crc32(layout.crc_bytes(arrays.view(self._arrays[i])))
-        except Exception as e:  # noqa: BLE001 - reported to every rank, never raised alone
-            error = f"could not read the parameters: {type(e).__name__}: {e}"
-        rows = self._agree(frame, error, "verify_replicas")
-        crcs = records.Verify.crcs(rows, len(self._heads))
-        differ = crcs != crcs[self._root]
-        if differ.any():
-            ranks = np.flatnonzero(differ.any(axis=1))
-            names = [self._contract[self._heads[k]].name for k in np.flatnonzero(differ.any(axis=0))]
-            shown = ", ".join(repr(n) for n in names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
-            raise ContractError(
-                f"replicas differ from root {self._root} on rank(s) {', '.join(map(str, ranks))}: parameter(s) {shown}"
-            )
-
-    def _agree(self, frame: np.ndarray, error: str | None, operation: str, judge: records.Judge | None = None, agreed: int = records.BODY) -> Any:
-        """:func:`records.agree` on this session; where a rank is in :meth:`close`, every rank closes, then raises (collective)."""
-        try:
-            return records.agree(self._comm, frame, error, operation, judge, agreed)
-        except records.OperationsDiffer as e:
-            if e.closing:
-                self._closing = True
-                self.close()
-            raise ContractError(str(e)) from None  # the user's error type, as for every other refusal
-
-    def close(self) -> None:
-        """Agree that every rank closes, then free the private communicator (collective). Idempotent.
-
-        A rank in another mpidp operation meanwhile (it made a ``reduce`` this
-        rank skipped, or called one alone) is one ContractError on every rank,
-        naming where each rank is; the session is closed on every rank then
-        (here after freeing what it holds). A session still open when the
-        interpreter exits is closed then, before MPI is finalized.
-        """
-        if self._closed:
-            return
-        error = self._agree_close()
-        self._closed = True
-        guard.forget_at_exit(self)
-        self._cache.forget()  # release the last windows' gradient arrays
-        try:
-            self._comm.close()  # watched, like every collective of the session
-        finally:
-            if self._watchdog is not None:
-                self._watchdog.close()
-        if error is not None:
-            raise error
-
-    def _agree_close(self) -> DataParallelError | None:
-        """Agree with every rank that the session closes (collective): the error to raise once closed, or None."""
-        if self._failed is not None or self._closing:  # a broken session frees what it can; a closing rank was heard
-            return None
-        try:
-            frame = self._frame.new(records.CLOSE)
-            frame[records.Close.AT_EXIT] = self._exiting
-            records.agree(self._comm, frame, None, "close: agreement")
-        except CollectiveError as e:
-            self._failed = str(e)
-            return e
-        except ContractError as e:  # ranks in different operations: closed on every rank
-            return ContractError(str(e))
-        return None
-
-    def _close_at_exit(self) -> None:
-        """:meth:`close`, from the interpreter's exit (the other ranks' error then says so)."""
-        self._exiting = True
-        self.close()
-
     def __enter__(self) -> DataParallel:  # noqa: PYI034 - Self needs Python 3.11
         """Return this session (local)."""
         return self
-
-    def __exit__(self, *exc: object) -> None:
-        """Close the session (collective, like :meth:`close`)."""
-        self.close()
 
 
 # ---------------------------------------------------------------- sessions
@@ -724,48 +384,3 @@ def broadcast_regions(dp: DataParallel, regions: checks.ByteRegions, operation: 
         sent = dp._comm.allgather_obj(tuple(tuple(r) for r in regions.entries), f"{operation}: entries")
         records.refuse(records.regions_disagreement(records.RegionsRecord.decode(sent)))
     dp._move_regions(regions, f"{operation}: Bcast")
-
-
-def _check_weight(local_weight: Any, policy: Any, error: str | None) -> tuple[int, int, str | None]:
-    """The weight and policy code of this rank's window record, and the first error (local)."""
-    weight = 0
-    if type(local_weight) is int and 0 <= local_weight <= U64_MAX:
-        weight = local_weight
-    elif isinstance(local_weight, bool) or not isinstance(local_weight, numbers.Integral):
-        error = error or f"local_weight must be a non-negative int, got {type(local_weight).__name__} {local_weight!r}"
-    elif not 0 <= int(local_weight) <= U64_MAX:
-        error = error or f"local_weight {local_weight} is outside [0, 2**64 - 1]"
-    else:
-        weight = int(local_weight)
-    if policy.__class__ is MissingGradientPolicy:
-        return weight, policy.value, error
-    return weight, 255, error or f"policy must be a MissingGradientPolicy, got {policy!r}"
-
-
-#: what every "changed after initialize" error tells the user to do
-REBUILD = "; build a new DataParallel after changing the model (mpidp does not follow a model changed after it was built)"
-
-
-def _changes(was: arrays.ArrayInfo | None, now: arrays.ArrayInfo | None) -> str:
-    """What differs between a parameter's description at initialize and now, field by field."""
-    if was is None or now is None:
-        return f"{now} was {was}"
-    fields = ("backend", "dtype", "shape", "device")
-    return ", ".join(f"{f} {getattr(now, f)} was {getattr(was, f)}" for f in fields if getattr(now, f) != getattr(was, f))
-
-
-def _check_step(step: Any, error: str | None) -> tuple[int, str | None]:
-    """The STEP word of this rank's window record (step + 1), and the first error (local)."""
-    if isinstance(step, bool) or not isinstance(step, numbers.Integral):
-        return 0, error or f"step must be None or a non-negative int, got {type(step).__name__} {step!r}"
-    if not 0 <= int(step) < U64_MAX:
-        return 0, error or f"step {step} is outside [0, 2**64 - 2]"
-    return int(step) + 1, error
-
-
-def _check_global_weight(global_weight: int) -> None:
-    """Refuse a window whose agreed global weight is 0 or does not fit in 64 bits (every rank alike)."""
-    if not 0 < global_weight <= U64_MAX:
-        if global_weight:
-            raise ContractError(f"the global weight {global_weight} does not fit in 64 bits")
-        raise ContractError("the global weight is 0: no rank has a token in this window, nothing to normalize")

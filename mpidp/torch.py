@@ -29,12 +29,9 @@ from collections.abc import Iterable, Iterator
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any, TypeVar
 
-import numpy as np
 import torch
 
-from . import arrays, core
-from .checks import ByteRegions
-from .contract import Region
+from . import core, torch_model
 from .core import MissingGradientPolicy, MPIComm
 from .packing import DEFAULT_CHUNK_BYTES
 from .torch_overlap import Overlap
@@ -105,18 +102,16 @@ class DataParallel:
         exact: bool = False,
     ) -> None:
         self._module = model
-        error = _check_module(model)
-        regions = _regions(_buffers(model) if error is None else [])
+        error = torch_model.check_module(model)
+        regions = torch_model.regions(torch_model.buffers(model) if error is None else [])
         if bucket_bytes is None:
             bucket_bytes = chunk_bytes
-        error = error or regions.error or _overlap_problem(model, overlap, bucket_bytes)
-        if exact is True and overlap is not False:
-            error = error or f"exact=True does not overlap with backward yet: pass overlap=False (got overlap={overlap!r})"
+        error = error or regions.error or _overlap_problem(model, overlap, bucket_bytes, exact)
         self._params: dict[str, Any] = dict(model.named_parameters(remove_duplicate=False)) if error is None else {}
         frozen = [name for name, p in self._params.items() if not p.requires_grad]
         moved: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
         if flat_parameters and error is None:
-            moved, error = _flatten(self._params)
+            moved, error = torch_model.flatten(self._params)
         options = {"chunk_bytes": chunk_bytes, "device": None, "abort_on_exception": abort_on_exception, "timeout": timeout, "exact": exact}
         try:  # the buffers are agreed on and moved with the parameters: one record, one communicator
             self._core = core.start(self._params, comm, root, frozen, options, regions._replace(error=error))
@@ -131,23 +126,26 @@ class DataParallel:
         self._heads = tuple(first.values())
         self._trainable = frozenset(self._core.trainable)
         self._overlap: Overlap | None = None
+        self._grads: dict[str, Any] = {}
+        self._hooks: list[Any] = []
         if overlap:  # gradients go into reduction buckets during backward (mpidp.torch_overlap)
-            try:
-                forward = [name for name, _ in model.named_parameters()]  # registration order, each tie group once
-                progress = "auto" if overlap is True else str(overlap)
-                self._overlap = Overlap.create(self._core, self._params, [first[id(self._params[n])] for n in forward], bucket_bytes, progress)
-            except BaseException:
-                self._core.close()
-                raise
-            self._grads: dict[str, Any] = {}
-            self._hooks: list[Any] = []
+            self._start_overlap(model, first, bucket_bytes, "auto" if overlap is True else str(overlap))
             return
         #: every trainable head's .grad lives in the core's flat storage: reduced in place, no packing
         self._grads = self._core.gradient_buffers()
         self._hooks = [
-            self._params[head].register_post_accumulate_grad_hook(_into_flat(self._grads[head]))
+            self._params[head].register_post_accumulate_grad_hook(torch_model.into_flat(self._grads[head]))
             for head in self._core.trainable
         ]
+
+    def _start_overlap(self, model: torch.nn.Module, first: dict[int, str], bucket_bytes: int, progress: str) -> None:
+        """Make the overlapped window's owner, buckets in reverse registration order (collective); close on failure."""
+        try:
+            forward = [name for name, _ in model.named_parameters()]  # registration order, each tie group once
+            self._overlap = Overlap.create(self._core, self._params, [first[id(self._params[n])] for n in forward], bucket_bytes, progress)
+        except BaseException:
+            self._core.close()
+            raise
 
     # --------------------------------------------------------------- accessors
 
@@ -213,6 +211,18 @@ class DataParallel:
             return self._overlap.reduce(self._refresh, self._heads, _as_int(local_weight), policy, None if step is None else _as_int(step))
         params = self._refresh()
         weight = _as_int(local_weight)
+        out = self._core.reduce(self._gradients(params, weight), weight, policy, step=None if step is None else _as_int(step))
+        for head in self._core.trainable:
+            p = params[head]
+            g = out.gradients.get(head)
+            if g is None:
+                p.grad = None
+            elif p.grad is not g:
+                p.grad = g
+        return out.global_weight
+
+    def _gradients(self, params: dict[str, Any], weight: Any) -> dict[str, Any]:
+        """Every head's ``.grad`` for the core, by head name (local)."""
         grads: dict[str, Any] = {}
         for head in self._heads:
             p = params.get(head)
@@ -227,15 +237,7 @@ class DataParallel:
                 # a rank without tokens contributes zeros (its gradients are ignored): lend
                 # it the persistent flat storage instead of a new allocation every window
                 grads[head] = self._grads[head]
-        out = self._core.reduce(grads, weight, policy, step=None if step is None else _as_int(step))
-        for head in self._core.trainable:
-            p = params[head]
-            g = out.gradients.get(head)
-            if g is None:
-                p.grad = None
-            elif p.grad is not g:
-                p.grad = g
-        return out.global_weight
+        return grads
 
     def fold(self) -> None:
         """Add this micro-batch's ``.grad`` to the window's exact sums, then zero them in place (local; ``exact=True``).
@@ -303,7 +305,7 @@ class DataParallel:
         nothing modified).
         """
         with self._between():
-            core.broadcast_regions(self._core, _regions(_buffers(self.module)), "broadcast_buffers")
+            core.broadcast_regions(self._core, torch_model.regions(torch_model.buffers(self.module)), "broadcast_buffers")
 
     # --------------------------------------------------------------- utilities
 
@@ -385,66 +387,15 @@ class DataParallel:
         self.close()
 
 
-def _into_flat(view: torch.Tensor) -> Any:
-    """A post-accumulate-grad hook that makes ``view`` (flat storage) the parameter's ``.grad``.
 
-    Autograd accumulates into an existing ``.grad`` in place, so once a
-    gradient is the view it stays there; a gradient autograd allocated anew
-    (the first backward, or after ``zero_grad(set_to_none=True)``) is copied
-    in once. Sparse gradients are left as they are, and so is a gradient
-    that no longer fits the view (a parameter whose ``.data`` was resized,
-    cast or moved after wrapping): the hook runs inside ``backward()`` and
-    never raises there; ``reduce`` names the changed parameter on every rank.
-    """
-
-    def hook(p: torch.Tensor) -> None:
-        g = p.grad
-        if g is None or g is view or g.layout != torch.strided:
-            return
-        if g.shape != view.shape or g.dtype != view.dtype or g.device != view.device:
-            return  # the model changed after wrapping: reduce refuses it on every rank
-        try:
-            with torch.no_grad():
-                view.copy_(g)
-            p.grad = view
-        except Exception:  # noqa: BLE001 - never inside backward(): reduce checks what .grad holds
-            return
-
-    return hook
-
-
-def _flatten(params: dict[str, Any]) -> tuple[list[tuple[torch.nn.Parameter, torch.Tensor]], str | None]:
-    """Make every parameter's ``.data`` a view into flat storage: (parameter, old data) pairs, or why not.
-
-    Local and before the ranks agree: a failure is this rank's error, with
-    nothing moved. A parameter mpidp refuses is left where it is, for the
-    core to name on every rank.
-    """
-    moved: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
-    try:
-        unique: dict[int, str] = {}
-        for name in sorted(params):
-            unique.setdefault(id(params[name]), name)
-        if any(arrays.problem(params[name]) is not None for name in unique.values()):
-            return [], None
-        flat = core.flat_parameters({name: params[name].detach() for name in unique.values()})
-        for name in unique.values():
-            p = params[name]
-            moved.append((p, p.data))
-            p.data = flat[name]
-    except Exception as e:  # noqa: BLE001 - reported to every rank, never raised alone
-        for p, old in moved:
-            p.data = old
-        return [], f"could not lay the parameters out flat (flat_parameters=True): {type(e).__name__}: {e}"
-    return moved, None
-
-
-def _overlap_problem(model: torch.nn.Module, overlap: Any, bucket_bytes: Any) -> str | None:
-    """Why ``overlap`` cannot serve this rank's model with these buckets, or None (local)."""
+def _overlap_problem(model: torch.nn.Module, overlap: Any, bucket_bytes: Any, exact: Any = False) -> str | None:
+    """Why ``overlap`` cannot serve this rank's model with these buckets (and ``exact``), or None (local)."""
     if not isinstance(overlap, bool) and overlap not in ("hooks", "thread"):
         return f"overlap must be False, True, 'hooks' or 'thread', got {overlap!r}"
     if overlap is False:
         return None
+    if exact is True:
+        return f"exact=True does not overlap with backward yet: pass overlap=False (got overlap={overlap!r})"
     if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 4:
         return f"bucket_bytes must be an integer of at least 4, got {bucket_bytes!r}"
     for name, p in model.named_parameters(remove_duplicate=False):
@@ -452,72 +403,6 @@ def _overlap_problem(model: torch.nn.Module, overlap: Any, bucket_bytes: Any) ->
             return f"overlap={overlap!r} reduces host (CPU) parameters only; parameter {name!r} is on {p.device}"
     return None
 
-
-def _check_module(model: Any) -> str | None:
-    """Return what makes ``model`` unusable, without communicating."""
-    if not isinstance(model, torch.nn.Module):
-        return f"model must be a torch.nn.Module, got {type(model).__name__}"
-    for name, p in model.named_parameters(remove_duplicate=False):
-        if p.layout != torch.strided:
-            return f"parameter {name!r} is a {p.layout} tensor; mpidp moves dense (strided) parameters"
-    return None
-
-
-def _buffers(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
-    return sorted(model.named_buffers(remove_duplicate=False), key=lambda item: item[0])
-
-
-def _regions(buffers: list[tuple[str, torch.Tensor]]) -> ByteRegions:
-    """This rank's buffers as named byte regions for the core (each shared tensor once), or why not.
-
-    Made before the ranks agree, so that a buffer this rank cannot read (sparse,
-    on the meta device, uninitialized, ...) is an error on every rank instead of
-    a failure on one.
-    """
-    first: dict[int, str] = {}
-    entries: list[Region] = []
-    views: list[np.ndarray] = []
-    copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (buffer, host copy its bytes travel through)
-    name = ""
-    try:
-        for name, b in buffers:
-            entries.append(Region(name, tuple(b.shape), str(b.dtype).removeprefix("torch."), first.setdefault(id(b), name)))
-            if first[id(b)] != name:  # a name of a tensor already prepared
-                continue
-            why = arrays.problem(b)
-            if why is not None:
-                return _refused(f"buffer {name!r}: {why}")
-            v, host = _bytes(b)
-            if host is not None:  # written back with copy_ on other ranks: fail here, for everyone, if it cannot be
-                try:
-                    with torch.no_grad():
-                        b.copy_(host)  # its own values: nothing changes
-                except Exception as e:  # noqa: BLE001 - reported to every rank, never raised alone
-                    return _refused(f"buffer {name!r} cannot be written in place: {type(e).__name__}: {e}")
-                copies.append((b, host))
-            views.append(v)
-    except Exception as e:  # noqa: BLE001 - reported to every rank, never raised alone
-        return _refused(f"could not read buffer {name!r}: {type(e).__name__}: {e}")
-
-    def written() -> None:
-        with torch.no_grad():
-            for b, host in copies:
-                b.copy_(host)
-
-    return ByteRegions(tuple(entries), tuple(views), written, None)
-
-
-def _refused(why: str) -> ByteRegions:
-    return ByteRegions((), (), lambda: None, why)
-
-
-def _bytes(t: torch.Tensor) -> tuple[np.ndarray, torch.Tensor | None]:
-    """Return a host uint8 view of ``t``'s bytes, and the host copy it views when ``t`` cannot be viewed."""
-    t = t.detach()
-    if t.device.type == "cpu" and t.is_contiguous():
-        return t.reshape(-1).view(torch.uint8).numpy(), None
-    host = t.to("cpu", memory_format=torch.contiguous_format, copy=True)
-    return host.reshape(-1).view(torch.uint8).numpy(), host
 
 
 def _as_int(weight: Any) -> Any:

@@ -1,4 +1,4 @@
-"""One reduce window's local side: the reduction slots, the gradient checks, the reuse cache, the move.
+"""One reduce window's local side: the reduction slots, the gradient checks, the reuse cache, the move, its facts.
 
 Pure up to :func:`move`, which takes the session's communicator: the checks
 run before the exchange (:mod:`mpidp.records`), the move after it, on
@@ -8,21 +8,29 @@ the same collectives.
 
 from __future__ import annotations
 
+import enum
+import numbers
 import weakref
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
-from . import arrays, layout
+from . import arrays, exact, layout
 from .casts import DEFAULT, Casts
+from .errors import ContractError
 from .packing import Call, Moves, Scatter, Slot, Step, plan, reduce_calls, run_steps, slot, steps
+from .records import U64_MAX, Window
 
 if TYPE_CHECKING:
     from .comm import Communicator
     from .cuda import Device
 
-__all__ = ["Accepted", "Cache", "Given", "Group", "Program", "Transport", "check_gradients", "reduce_slots"]
+__all__ = [
+    "REBUILD", "Accepted", "Agreed", "Cache", "Checked", "Given", "Group", "MissingGradientPolicy", "Program", "ReducedGradients",
+    "Transport", "check_global_weight", "check_gradients", "check_replica", "check_step", "check_weight", "reduce_slots",
+]
 
 #: a window's plan: the calls, and the globally present reduction slots
 Plan = tuple[tuple[Call, ...], list[int]]
@@ -309,3 +317,113 @@ def _moves(comm: Communicator, operation: str) -> Moves:
         lambda send, recv: comm.Reduce_scatter_block(send, recv, scattered),
         lambda b: comm.Allgather_in_place(b, gathered),
     )
+
+
+# ------------------------------------------------- the window's own checks and facts
+
+
+class MissingGradientPolicy(enum.Enum):
+    """What to do about a trainable parameter that has no local gradient."""
+
+    #: Refuse the window when a rank with a non-zero local weight lacks a gradient.
+    ERROR = 0
+    #: Contribute zeros; a parameter no weighted rank has a gradient for stays absent.
+    ZERO = 1
+
+
+@dataclass(frozen=True)
+class ReducedGradients:
+    """Globally token-weighted gradients of one accumulation window."""
+
+    #: ``sum over ranks of grad / global_weight`` per globally present parameter.
+    gradients: dict[str, Any]
+    #: Exact sum of the local weights over all ranks.
+    global_weight: int
+
+
+class Checked(NamedTuple):
+    """This rank's window, checked locally (:meth:`DataParallel.check_window`): its record and its first error."""
+
+    given: list[Given | None]  # this rank's gradient per reduction slot (checked), None where it has none
+    weight: int  # this rank's local weight
+    code: int  # the policy's value
+    step: int  # the STEP word
+    presence: np.ndarray  # the presence words
+    error: str | None
+
+
+class Agreed(NamedTuple):
+    """The facts of a window every rank agreed on (:meth:`DataParallel.agree_window`), and this rank's gradients."""
+
+    given: list[Given | None]  # this rank's gradient per reduction slot (checked), None where it has none
+    weight: int  # this rank's local weight
+    global_weight: int
+    key: tuple[int, ...]  # the presence words OR-ed over the ranks with a weight
+    zero_weight: bool  # some rank has weight 0: its gradients count as zeros
+    extra: tuple[int, ...] = ()  # every rank's EXTRA word (the adapter's own, :meth:`DataParallel.agree_window`)
+    exact: tuple[exact.Facts, ...] | None = None  # per slot, the agreed facts of the exact reduction (exact sessions)
+
+    def present(self, slots: int) -> list[bool]:
+        """Whether each reduction slot is globally present."""
+        return Window.present(self.key, slots)
+
+
+def check_replica(params: Mapping[str, Any], replica: Sequence[tuple[str, Any, Any]], infos: Sequence[arrays.ArrayInfo]) -> str | None:
+    """Why the session's parameters are no longer those of initialize (``replica``: (name, array, signature) each), or None."""
+    if len(params) != len(replica):
+        return f"the parameter mapping changed after initialize: {len(params)} names, expected {len(replica)}{REBUILD}"
+    get, signature = params.get, arrays.signature
+    for (name, array, sig), info in zip(replica, infos):
+        if get(name, None) is not array:
+            return f"parameter {name!r} was replaced or removed after initialize{REBUILD}"
+        if signature(array) == sig:
+            continue
+        now = arrays.describe(array)
+        if now != info:
+            return f"parameter {name!r} changed after initialize ({_changes(info, now)}){REBUILD}"
+    return None
+
+
+def check_weight(local_weight: Any, policy: Any, error: str | None) -> tuple[int, int, str | None]:
+    """The weight and policy code of this rank's window record, and the first error (local)."""
+    weight = 0
+    if type(local_weight) is int and 0 <= local_weight <= U64_MAX:
+        weight = local_weight
+    elif isinstance(local_weight, bool) or not isinstance(local_weight, numbers.Integral):
+        error = error or f"local_weight must be a non-negative int, got {type(local_weight).__name__} {local_weight!r}"
+    elif not 0 <= int(local_weight) <= U64_MAX:
+        error = error or f"local_weight {local_weight} is outside [0, 2**64 - 1]"
+    else:
+        weight = int(local_weight)
+    if policy.__class__ is MissingGradientPolicy:
+        return weight, policy.value, error
+    return weight, 255, error or f"policy must be a MissingGradientPolicy, got {policy!r}"
+
+
+#: what every "changed after initialize" error tells the user to do
+REBUILD = "; build a new DataParallel after changing the model (mpidp does not follow a model changed after it was built)"
+
+
+def _changes(was: arrays.ArrayInfo | None, now: arrays.ArrayInfo | None) -> str:
+    """What differs between a parameter's description at initialize and now, field by field."""
+    if was is None or now is None:
+        return f"{now} was {was}"
+    fields = ("backend", "dtype", "shape", "device")
+    return ", ".join(f"{f} {getattr(now, f)} was {getattr(was, f)}" for f in fields if getattr(now, f) != getattr(was, f))
+
+
+def check_step(step: Any, error: str | None) -> tuple[int, str | None]:
+    """The STEP word of this rank's window record (step + 1), and the first error (local)."""
+    if isinstance(step, bool) or not isinstance(step, numbers.Integral):
+        return 0, error or f"step must be None or a non-negative int, got {type(step).__name__} {step!r}"
+    if not 0 <= int(step) < U64_MAX:
+        return 0, error or f"step {step} is outside [0, 2**64 - 2]"
+    return int(step) + 1, error
+
+
+def check_global_weight(global_weight: int) -> None:
+    """Refuse a window whose agreed global weight is 0 or does not fit in 64 bits (every rank alike)."""
+    if not 0 < global_weight <= U64_MAX:
+        if global_weight:
+            raise ContractError(f"the global weight {global_weight} does not fit in 64 bits")
+        raise ContractError("the global weight is 0: no rank has a token in this window, nothing to normalize")

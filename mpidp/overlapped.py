@@ -115,6 +115,14 @@ class Overlapped:
         """Whether this rank's window has begun: a slot is ready (local)."""
         return self._state.touched
 
+    def opened(self) -> bool:
+        """Whether this rank's window is open: its open exchange is done, buckets may be in flight (local)."""
+        return self._opened
+
+    def owed(self) -> bool:
+        """Whether ranks opened this window to close: this rank finishes its buckets before it agrees (local)."""
+        return self._owed
+
     def started(self) -> tuple[int, int]:
         """(buckets complete, buckets) of this window (local)."""
         return self._state.complete, len(self._state)
@@ -160,10 +168,8 @@ class Overlapped:
             self._refused = str(e)
             return None
         closers = records.Open.closing(rows)
-        if closers and not closing:  # the others drain the window and close: this rank's reduce must drain too
-            self._refused = (
-                f"ranks are in different mpidp operations: rank {self.session.rank} in reduce, rank {closers[0]} in close"
-            )
+        if closers and not closing:  # ranks opened it to close: this rank finishes its buckets with them, then agrees
+            self._refused = f"rank {closers[0]} opened this window to close the session"
             self._owed = True
             return None
         self._divisor = records.Open.divisor(rows)
@@ -216,9 +222,10 @@ class Overlapped:
 
     def _agree(self, checked: Any, late: str | None, changed: bool, operation: str) -> Any:
         """The window's one agreement, its EXTRA word the calls handed to MPI and the redo mark (collective)."""
+        if self._owed:  # ranks opened this window to close: finish its buckets with theirs, then meet their close
+            self._drain(operation)
+            return self.session.agree_window(checked, late, 0)
         if self._refused is not None:  # every rank learned it at the open: none exchanges again
-            if self._owed:
-                self._drain(operation)
             raise ContractError(self._refused)
         redo = changed or bool(self._state.again)
         try:
@@ -315,14 +322,15 @@ class Overlapped:
         refused: ContractError | None = None
         try:
             if self._broken is None and len(self._state) > 1:
-                if not self._opened:
+                if self._opened:  # this rank's buckets are in flight: every rank finishes them (the buckets' communicator)
+                    if self._refused is None or self._owed:
+                        self._drain("close")
+                elif not self.session.closed:  # no window here: open one to close, so that the others learn it
                     rows = self._open(closing=True)
-                    if rows is not None and len(records.Open.closing(rows)) < len(rows):
+                    if rows is not None and len(records.Open.closing(rows)) < len(rows):  # a rank opened it in backward
                         self._drain("close")
                     elif rows is None and self._broken is None:
                         refused = ContractError(self._refused)
-                elif self._refused is None or self._owed:
-                    self._drain("close")
         finally:
             self._engine.close()
             if self._watchdog is not None:

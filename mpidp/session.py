@@ -111,6 +111,11 @@ class Session:
         return self._comm.rank
 
     @property
+    def closed(self) -> bool:
+        """Whether the session is closed: by :meth:`close`, or by a rank that closed while this one was in another call (local)."""
+        return self._closed
+
+    @property
     def world_size(self) -> int:
         """Number of replicas (local; no communication)."""
         return self._comm.size
@@ -238,14 +243,16 @@ class Session:
                 self.close()
             raise ContractError(str(e)) from None  # the user's error type, as for every other refusal
 
-    def close(self) -> None:
+    def close(self, then: Callable[[], None] | None = None) -> None:
         """Agree that every rank closes, then free the private communicator (collective). Idempotent.
 
         A rank in another mpidp operation meanwhile (it made a ``reduce`` this
         rank skipped, or called one alone) is one ContractError on every rank,
         naming where each rank is; the session is closed on every rank then
         (here after freeing what it holds). A session still open when the
-        interpreter exits is closed then, before MPI is finalized.
+        interpreter exits is closed then, before MPI is finalized. ``then()``
+        (an adapter's: the overlapped window's buckets) runs after the
+        agreement and before the communicator is freed.
         """
         if self._closed:
             return
@@ -254,12 +261,20 @@ class Session:
         guard.forget_at_exit(self)
         self._cache.forget()  # release the last windows' gradient arrays
         try:
+            if then is not None:
+                then()
+        finally:
+            self._free()
+        if error is not None:
+            raise error
+
+    def _free(self) -> None:
+        """Free the communicator and stop the watchdog (collective)."""
+        try:
             self._comm.close()  # watched, like every collective of the session
         finally:
             if self._watchdog is not None:
                 self._watchdog.close()
-        if error is not None:
-            raise error
 
     def _agree_close(self) -> DataParallelError | None:
         """Agree with every rank that the session closes (collective): the error to raise once closed, or None."""

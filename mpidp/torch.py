@@ -374,11 +374,18 @@ class DataParallel:
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
-        try:
-            if self._overlap is not None:
-                self._overlap.close()  # the overlapped windows' owner: its buckets, thread and communicator
-        finally:
+        if self._overlap is None:
             self._core.close()
+        elif self._overlap.owner.opened() and not self._overlap.owner.owed():  # agree first (a rank in reduce learns it), then finish the buckets
+            try:
+                self._core.close(then=self._overlap.close)
+            finally:
+                self._overlap.close()  # idempotent; local where the session was closed already
+        else:  # no window here (the owner opens one to close), or ranks opened it to close: finish the buckets, then agree
+            try:
+                self._overlap.close()
+            finally:
+                self._core.close()
 
     def __enter__(self) -> DataParallel:  # noqa: PYI034 - Self needs Python 3.11
         return self

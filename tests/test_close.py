@@ -59,3 +59,19 @@ def test_a_skipped_reduce_then_the_end_of_a_with_block_is_one_error_everywhere(c
                     dp.reduce(local_weight=weight)
 
     same_error_everywhere(comm, run, ContractError, f"rank 0 in reduce, rank {last} in close", "the session is now closed on every rank")
+
+
+@pytest.mark.parametrize("overlap", ["hooks", "thread"])
+def test_ranks_that_close_before_any_backward_meet_an_overlapped_reduce_at_once(comm: MPI.Comm, overlap: str) -> None:
+    """Rank 0 runs a backward and reduces; the others close without a backward: the window's open exchange meets close."""
+    model = TinyLM(100 + comm.rank, extras=False)
+    dp = mpidp.torch.DataParallel(model, comm, overlap=overlap, bucket_bytes=256)
+    start = time.monotonic()
+
+    def rank0() -> None:
+        dp.reduce(local_weight=window(comm, model, backward=True))
+
+    message = same_error_everywhere(comm, rank0 if comm.rank == 0 else dp.close, ContractError, "rank 0 in reduce", "rank 1 in close")
+    assert time.monotonic() - start < 5, message
+    assert dp._core.closed
+    dp.close()  # idempotent, on every rank

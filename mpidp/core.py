@@ -175,12 +175,13 @@ class DataParallel(Session):
             step_word = step + 1
         else:
             step_word, error = window.check_step(step, error)
-        present = None if self._exact is None else self._exact.measure(given)
-        complete = None not in given if present is None else all(present)  # Given never equals None: an identity test per entry, in C
-        if present is None and not complete:
-            present = [x is not None for x in given]
+        if self._exact is None:
+            complete = None not in given  # Given never equals None: an identity test per entry, in C
+            present = [] if complete else [x is not None for x in given]
+        else:  # a slot folded earlier in the window is present too
+            present = self._exact.measure(given)
+            complete = all(present)
         if error is None and code == MissingGradientPolicy.ERROR.value and weight > 0 and not complete:
-            assert present is not None
             missing = self._slots.groups[present.index(False)].name
             error = (
                 f"parameter {missing!r} has no gradient (policy ERROR, local weight {weight}); "
@@ -188,7 +189,7 @@ class DataParallel(Session):
             )
         if self._exact is not None:
             error = error or self._exact.error
-        presence = self._slots.complete if complete or present is None else self._slots.presence(present)
+        presence = self._slots.complete if complete else self._slots.presence(present)
         return Checked(given, weight, code, step_word, presence, error)
 
     def agree_window(self, checked: Checked, error: str | None = None, extra: int = 0) -> Agreed:

@@ -128,16 +128,18 @@ class Accumulator:
         self.bounds = list(itertools.pairwise(bounds))
         self.total = bounds[-1]
         self.sums: np.ndarray | None = None  # int64, allocated on the first fold
-        self.dirty = False
         self._stage: Stage | None = None
+        self.quantum: list[int | None] = []  # per slot, the finest quantum folded (None: nothing folded); set by clear
         #: the first error of a fold, this rank's error at the next reduce
         self.error: str | None = None
         self.clear()
 
     def clear(self) -> None:
         """Forget the window's folds (after a reduce, and after a refused window)."""
+        if self.sums is not None and any(q is not None for q in self.quantum):  # a fold wrote there
+            self.sums[...] = 0
         n = len(self.sizes)
-        self.quantum: list[int | None] = [None] * n
+        self.quantum = [None] * n
         self.top = [-_BIAS] * n
         self.count = [0] * n
         self.folded = [False] * n
@@ -146,9 +148,6 @@ class Accumulator:
         #: per slot measured for reduce: (float32 values, inf and NaN zeroed; exponent or None; the inf and NaN, or None)
         self.pending: dict[int, tuple[np.ndarray, int | None, np.ndarray | None]] = {}
         self.error = None
-        if self.sums is not None and self.dirty:
-            self.sums[...] = 0
-        self.dirty = False  # some fold wrote into the sums since they were zeroed
 
     def buffer(self) -> np.ndarray:
         """Every slot's integer sums, one int64 buffer in slot order (allocated on first use)."""
@@ -176,7 +175,6 @@ class Accumulator:
             return
         s = self.slot(i)
         kernels().pack(x, 2.0 ** (BITS - e), e - BITS - target, _EMPTY if now is None else s, 0 if now is None else now - target, s)
-        self.dirty = True
         self.quantum[i] = target
         self.top[i] = max(self.top[i], e)
         self.count[i] += 1
@@ -232,11 +230,10 @@ class Accumulator:
             now = self.quantum[i]
             acc = _EMPTY if now is None else self.buffer()[a:b]
             x, e, _ = self.pending.get(i, (_EMPTY32, None, None))
-            if e is None:
-                x = _EMPTY32
+            if e is None:  # nothing measured here: the folds alone
+                k.pack(_EMPTY32, 1.0, 0, acc, 0 if now is None else now - q, o)
             else:
-                x = x[a - base : b - base]
-            k.pack(x, 2.0 ** (BITS - (e or 0)), (e or 0) - BITS - q, acc, 0 if now is None else now - q, o)
+                k.pack(x[a - base : b - base], 2.0 ** (BITS - e), e - BITS - q, acc, 0 if now is None else now - q, o)
 
     def unpack(self, lo: int, hi: int, facts: Sequence[Facts], ints: np.ndarray, global_weight: int, out: np.ndarray) -> None:
         """Convert summed ints of slot space ``[lo, hi)`` to float32 ``ints * 2**quantum / global_weight`` into ``out``."""

@@ -14,6 +14,8 @@ weights and its own AdamW; one thread per rank:
   it at the same time, so the machine is as loaded as for the others);
 * ``mpidp``: ``mpidp.torch.DataParallel(model, flat_parameters=True)``,
   ``dp.reduce(local_weight=tokens)`` after backward, ``dp.zero_grad()``;
+* ``mpidp_readme``: the README's loop as it is: ``DataParallel(model, comm)``
+  with every default, ``opt.zero_grad()``;
 * ``mpidp_overlap``: the same with ``overlap=True`` (auto: the mode it
   picks is recorded as ``overlap_mode``): buckets reduced while backward
   runs, finished by ``reduce``;
@@ -41,7 +43,8 @@ a few steps, every rank at once, the slowest rank's). The loss is the
 output's sum; nothing else is computed.
 
 The variants take turns step by step (the order rotates each step), every
-rank in the same variant at the same time; each step is timed in three
+rank in the same variant at the same time, from a barrier. The step is the
+slowest rank's whole step (what the job waits for); it is also timed in three
 parts, the slowest rank's each: forward+backward (DDP's reduction is inside
 it), the reduction left after backward, optimizer step + zero. ``left`` is
 what the reduction adds after the *slowest* rank's backward (the end of the
@@ -84,12 +87,12 @@ import mpidp.torch
 
 COMM = MPI.COMM_WORLD
 MIB = 1 << 20
-VARIANTS = ("local", "mpidp", "mpidp_overlap", "mpidp_hooks", "mpidp_thread", "mpidp_thread_weight", "ddp_gloo", "horovod")
+VARIANTS = ("local", "mpidp", "mpidp_readme", "mpidp_overlap", "mpidp_hooks", "mpidp_thread", "mpidp_thread_weight", "ddp_gloo", "horovod")
 #: ``bucket_bytes=`` of the overlapped variants (--bucket-bytes; None: the default, ``chunk_bytes``)
 BUCKET_BYTES: list[int | None] = [None]
 #: the ``overlap=`` argument of each mpidp variant
 OVERLAP: dict[str, bool | str] = {
-    "mpidp": False, "mpidp_overlap": True, "mpidp_hooks": "hooks", "mpidp_thread": "thread", "mpidp_thread_weight": "thread",
+    "mpidp": False, "mpidp_readme": False, "mpidp_overlap": True, "mpidp_hooks": "hooks", "mpidp_thread": "thread", "mpidp_thread_weight": "thread",
 }
 
 
@@ -135,6 +138,22 @@ class GPT(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.head(self.ln_f(x))
+
+
+class HuggingFace(nn.Module):
+    """Hugging Face's ``GPT2LMHeadModel`` (optional: ``pip install transformers``), randomly initialized; returns the logits."""
+
+    def __init__(self, vocab: int, width: int, layers: int, heads: int, context: int) -> None:
+        super().__init__()
+        try:
+            from transformers import GPT2Config, GPT2LMHeadModel
+        except ImportError as e:  # a clear message on every rank, before any collective
+            raise SystemExit("the hf-* models need Hugging Face transformers: pip install transformers") from e
+        config = GPT2Config(vocab_size=vocab, n_embd=width, n_layer=layers, n_head=heads, n_positions=context)
+        self.lm = GPT2LMHeadModel(config)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.lm(idx).logits
 
 
 class Residual(nn.Module):
@@ -262,6 +281,8 @@ def offcpu_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 MODELS["gpt2-29m"] = (lambda: GPT(50257, 384, 6, 6, 32), _tokens(50257, 1, 32))  # 29.7 M parameters, batch 1x32
+# the issue's check: Hugging Face GPT-2, 4 layers, width 512, vocabulary 32,000 (29.0 M parameters), batch 1x32
+MODELS["hf-gpt2-29m"] = (lambda: HuggingFace(32000, 512, 4, 8, 32), _tokens(32000, 1, 32))
 MODELS["gpt2-5m"] = (lambda: GPT(8192, 256, 4, 4, 32), _tokens(8192, 1, 32))
 MODELS["resnet-3m"] = (lambda: ResNet((32, 64, 128, 256), 10), _images(8, 10))
 MODELS["resnet-11m"] = (lambda: ResNet((64, 128, 256, 512), 10), _images(8, 10))  # ResNet-18's widths
@@ -291,7 +312,8 @@ class Variant:
         self.mode: str | None = None  # the overlap mode an mpidp variant runs in
         self.reduce_after: Callable[[int], None] = lambda weight: None
         if name in OVERLAP:
-            self.dp = mpidp.torch.DataParallel(model, flat_parameters=True, overlap=OVERLAP[name], bucket_bytes=BUCKET_BYTES[0])
+            flat = name != "mpidp_readme"  # the README's loop keeps every default
+            self.dp = mpidp.torch.DataParallel(model, flat_parameters=flat, overlap=OVERLAP[name], bucket_bytes=BUCKET_BYTES[0])
             self.mode = self.dp.overlap or "off"  # which mode overlap=True picked
             self.reduce_after = lambda weight: self.dp.reduce(local_weight=weight)
         elif name == "ddp_gloo":
@@ -316,7 +338,7 @@ class Variant:
         self.reduce_after(int((target != -100).sum()))
         t2 = time.perf_counter()
         self.opt.step()
-        if self.dp is not None:
+        if self.dp is not None and self.name != "mpidp_readme":
             self.dp.zero_grad()
         else:
             self.opt.zero_grad(set_to_none=self.name != "horovod")
@@ -377,12 +399,13 @@ def bench_model(name: str, variants: tuple[str, ...], steps: int, warmup: int) -
             for run in runs[k:] + runs[:k]:  # the order rotates: each variant follows each other one
                 COMM.Barrier()
                 fb, red, opt = run.step(x, target)
-                parts = np.array([fb, red, opt, fb, fb + red])  # the parts, then when backward and reduce ended
+                # the parts, when backward and reduce ended, the whole step (each rank's, from the same barrier)
+                parts = np.array([fb, red, opt, fb, fb + red, fb + red + opt])
                 COMM.Allreduce(MPI.IN_PLACE, parts, MPI.MAX)  # the slowest rank's, part by part
                 # what the reduction adds after the slowest rank's backward (a rank that ends early waits in it: not counted)
                 left = max(0.0, float(parts[4] - parts[3]))
-                if s >= warmup:
-                    times[run.name].append((float(parts[:3].sum()), *map(float, parts[:3]), left))
+                if s >= warmup:  # the step: the slowest rank's whole step, what the job waits for
+                    times[run.name].append((float(parts[5]), *map(float, parts[:3]), left))
         limit = limits(n, max(3, steps // 2))
     finally:
         for run in runs:

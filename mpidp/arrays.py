@@ -14,7 +14,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-__all__ = ["BFLOAT16", "FLOATING", "ArrayInfo", "describe", "empty_like", "fingerprint", "flat_zeros", "view", "zeros_like"]
+__all__ = ["BFLOAT16", "FLOATING", "ArrayInfo", "describe", "empty_like", "fingerprint", "flat_zeros", "host_bytes", "view", "zeros_like"]
 
 BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 #: dtypes mpidp synchronises; everything else is refused.
@@ -283,13 +283,29 @@ def flat_zeros(like: Any, count: int) -> Any:
     if backend == "torch":
         import torch
 
-        return torch.zeros(count, dtype=like.dtype, device=like.device)
+        if like.device.type != "cpu":
+            return torch.zeros(count, dtype=like.dtype, device=like.device)
+        return torch.from_numpy(host_bytes(count * like.element_size())).view(like.dtype)
     if backend == "cupy":
         import cupy
 
         with like.device:
             return cupy.zeros(count, dtype=like.dtype)
     return np.zeros(count, dtype=like.dtype)
+
+
+def host_bytes(nbytes: int) -> np.ndarray:
+    """Return ``nbytes`` zeroed bytes of host memory from NumPy's allocator, 64-byte aligned.
+
+    NumPy advises the kernel to back large arrays with transparent huge
+    pages (unless ``NUMPY_MADVISE_HUGEPAGE=0``); torch's CPU allocator does
+    not. Measured at 2 ranks on a VM: MPICH's Allreduce of 29 M float32 took
+    9-11 ms from NumPy's memory and 15-17 ms from torch's, so persistent flat
+    buffers come from here.
+    """
+    raw = np.zeros(nbytes + 64, np.uint8)
+    start = -raw.ctypes.data % 64
+    return raw[start : start + nbytes]
 
 
 def xp(v: Any) -> Any:

@@ -68,14 +68,17 @@ class Overlapped:
         self._reset()
 
     @classmethod
-    def create(cls, session: DataParallel, order: Sequence[int], bucket_bytes: int, progress: str, threads: int) -> Overlapped:
+    def create(cls, session: DataParallel, order: Sequence[int], bucket_bytes: int, progress: str, threads: int) -> Overlapped | None:
         """Agree on root's bucket order and the progress mode, then make the buckets (collective).
 
         ``progress`` (the same on every rank): ``"hooks"``, ``"thread"`` or
-        ``"auto"``, the thread where every rank has ``MPI_THREAD_MULTIPLE`` and
-        a core free for it besides ``threads`` computing threads per rank.
-        Raises ContractError on every rank for a session on a device, ranks
-        asking for different modes, or a thread MPI cannot serve.
+        ``"auto"``: where every rank's node has a core free besides
+        ``threads`` computing threads per rank, the thread (every rank has
+        ``MPI_THREAD_MULTIPLE``) or else the hooks; where some rank has none,
+        no overlap at all (None: the plain path, as nothing can run beside
+        backward there and the hooks only slow it). Raises ContractError on
+        every rank for a session on a device, ranks asking for different
+        modes, or a thread MPI cannot serve.
         """
         facts = session.facts()
         comm = facts.comm
@@ -83,6 +86,8 @@ class Overlapped:
         mine = [[int(i) for i in order], progress, _mpi.thread_multiple(), free]
         rows = comm.allgather_obj(mine, "reduction_buckets: order and progress")
         thread = _choose(rows, facts.root, len(facts.sizes), facts.device, progress)
+        if thread is None:
+            return None
         own = _mpi.duplicate(comm.comm)
         state = Buckets(facts.sizes, rows[facts.root][0], bucket_bytes // 4, facts.chunk_bytes // 4)
         if not thread:
@@ -340,8 +345,9 @@ class Overlapped:
             raise refused
 
 
-def _choose(rows: list[Any], root: int, slots: int, device: str, progress: str) -> bool:
-    """Whether the agreed rows make a communication thread; ContractError (every rank alike) where they cannot."""
+def _choose(rows: list[Any], root: int, slots: int, device: str, progress: str) -> bool | None:
+    """Whether the agreed rows make a communication thread (False: the hooks; None: no overlap, ``"auto"`` without a
+    core to spare on some rank); ContractError (every rank alike) where they cannot."""
     if sorted(rows[root][0]) != list(range(slots)):
         raise ContractError(f"root's bucket order is not a permutation of the {slots} reduction slots")
     if device != "cpu":
@@ -354,4 +360,6 @@ def _choose(rows: list[Any], root: int, slots: int, device: str, progress: str) 
         raise ContractError(
             f"overlap='thread' needs MPI_THREAD_MULTIPLE, which MPI did not provide on rank(s) {', '.join(map(str, unable))}"
         )
-    return progress == "thread" or (progress == "auto" and not unable and all(row[3] for row in rows))
+    if progress == "auto" and not all(row[3] for row in rows):
+        return None
+    return progress == "thread" or (progress == "auto" and not unable)

@@ -72,9 +72,11 @@ class DataParallel:
     :attr:`overlap` says which mode runs. ``overlap="hooks"``: the gradient hooks start and
     progress non-blocking calls; ``overlap="thread"``: a communication thread
     sums each bucket with blocking calls while backward goes on (needs
-    ``MPI_THREAD_MULTIPLE``); ``overlap=True``: the thread where every rank's
-    node has a core free for it besides its ``torch.get_num_threads()``
-    computing threads per rank, else the hooks. Every rank must pass the same.
+    ``MPI_THREAD_MULTIPLE``); ``overlap=True``: where every rank's node has a
+    core free besides its ``torch.get_num_threads()`` computing threads per
+    rank, the thread (else the hooks); where some rank's node has none, no
+    overlap (:attr:`overlap` is None): every core computes, nothing can run
+    beside backward, and the hooks would only slow it. Every rank must pass the same.
 
     ``exact=True`` makes :meth:`reduce` exact (CPU parameters, no overlap):
     call :meth:`fold` after each micro-batch's backward, and the result's
@@ -126,14 +128,11 @@ class DataParallel:
         self._heads = tuple(first.values())
         self._trainable = frozenset(self._core.trainable)
         self._overlap: Overlap | None = None
-        self._grads: dict[str, Any] = {}
-        self._hooks: list[Any] = []
-        if overlap:  # gradients go into reduction buckets during backward (mpidp.torch_overlap)
+        if overlap:  # gradients go into reduction buckets during backward (mpidp.torch_overlap), unless True finds no core
             self._start_overlap(model, first, bucket_bytes, "auto" if overlap is True else str(overlap))
-            return
-        #: every trainable head's .grad lives in the core's flat storage: reduced in place, no packing
-        self._grads = self._core.gradient_buffers()
-        self._hooks = [
+        #: every trainable head's .grad lives in the core's flat storage (or the overlap's buckets): reduced in place
+        self._grads: dict[str, Any] = {} if self._overlap is not None else self._core.gradient_buffers()
+        self._hooks: list[Any] = [] if self._overlap is not None else [
             self._params[head].register_post_accumulate_grad_hook(torch_model.into_flat(self._grads[head]))
             for head in self._core.trainable
         ]

@@ -46,18 +46,20 @@ class Overlap:
         self.hooks = [p.register_post_accumulate_grad_hook(self._hook(i)) for i, p in enumerate(self.params)]
 
     @classmethod
-    def create(cls, session: Session, params: dict[str, Any], forward: Sequence[str], bucket_bytes: int, progress: str) -> Overlap:
+    def create(cls, session: Session, params: dict[str, Any], forward: Sequence[str], bucket_bytes: int, progress: str) -> Overlap | None:
         """Make the session's owner of overlapped windows and hook every trainable tie group (collective).
 
         ``forward`` lists the tie-group heads in registration order: backward
         finishes the last layers first, so the buckets follow it reversed.
-        ``progress``: ``"hooks"``, ``"thread"`` or ``"auto"`` (the thread where
-        every rank's node has a core for it besides torch's computing threads).
+        ``progress``: ``"hooks"``, ``"thread"`` or ``"auto"`` (where every
+        rank's node has a core to spare besides torch's computing threads,
+        the thread, else the hooks; where some rank has none, None: no overlap).
         """
         heads = session.trainable
         slot = {h: i for i, h in enumerate(heads)}
         order = [slot[h] for h in reversed(forward) if h in slot]
-        return cls(Overlapped.create(session, order, bucket_bytes, progress, torch.get_num_threads()), heads, params)
+        owner = Overlapped.create(session, order, bucket_bytes, progress, torch.get_num_threads())
+        return None if owner is None else cls(owner, heads, params)
 
     @property
     def mode(self) -> str:

@@ -550,11 +550,16 @@ def test_without_thread_multiple_thread_mode_is_refused_everywhere_and_auto_uses
 
 @pytest.mark.parametrize("cores", [1, 1024])
 def test_auto_takes_the_thread_only_where_every_node_has_a_core_to_spare(comm: MPI.Comm, cores: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 34 item 3: where every core computes, ``overlap=True`` is the plain path (no hooks), with the plain path's results."""
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)), raising=False)
-    model = TinyLM(100, extras=False)
-    with mpidp.torch.DataParallel(model, comm, overlap=True, **SMALL) as do:
-        assert do.overlap == ("thread" if cores == 1024 else "hooks")
-        do.reduce(local_weight=window(comm, model))
+    model, plain = TinyLM(100, extras=False), TinyLM(100, extras=False)
+    with mpidp.torch.DataParallel(model, comm, overlap=True, **SMALL) as do, mpidp.torch.DataParallel(plain, comm, **SMALL) as dp:
+        assert do.overlap == ("thread" if cores == 1024 else None)
+        hooks = [len(p._post_accumulate_grad_hooks or {}) for p in dict.fromkeys(model.parameters())]
+        assert hooks == [1] * len(hooks)  # each hooked once: overlap's hook or the plain path's
+        for m, session in ((model, do), (plain, dp)):
+            session.reduce(local_weight=window(comm, m))
+        same_grads_everywhere(comm, plain, model)
 
 
 @pytest.mark.mpi(min_size=2)
@@ -674,7 +679,7 @@ def test_the_mode_overlap_chose_is_a_public_attribute(comm: MPI.Comm, ask: Any, 
     model = TinyLM(100, extras=False)
     with mpidp.torch.DataParallel(model, comm, overlap=ask, **SMALL) as do:
         assert do.overlap == (ask or None)
-    for cores, picked in ((1, "hooks"), (1024, "thread")):
+    for cores, picked in ((1, None), (1024, "thread")):
         monkeypatch.setattr(os, "sched_getaffinity", lambda pid, n=cores: set(range(n)), raising=False)
         with mpidp.torch.DataParallel(model, comm, overlap=True, **SMALL) as do:
             assert do.overlap == picked

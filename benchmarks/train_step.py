@@ -539,7 +539,7 @@ def main(argv: list[str] | None = None) -> int:
             "command": " ".join([f"mpiexec -n {COMM.size} python -m mpi4py benchmarks/train_step.py", *sys.argv[1:]]),
             "world_size": COMM.size, "steps": args.steps, "warmup": args.warmup, "quick": args.quick, "bucket_bytes": args.bucket_bytes,
             "torch": torch.__version__, "mpi": MPI.Get_library_version().split("\n")[0], "cores": os.cpu_count(),
-            "load_average_start": os.getloadavg(),
+            "load_average_start": os.getloadavg(), **bench.huge_pages(),
         },
         "models": {},
     }

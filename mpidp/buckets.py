@@ -89,6 +89,8 @@ class Buckets:
 
     def __init__(self, sizes: Sequence[int], order: Sequence[int], bucket: int, chunk: int, taper: int = TAPER) -> None:
         offset, self._slots, self._calls = layout(sizes, order, bucket, chunk, taper)
+        #: per slot, where it lies in either buffer; per bucket, its slots in that order
+        self.offset, self.members = offset, self._slots
         total = sum(sizes)
         self._buffers = (np.zeros(total, np.float32), np.zeros(total, np.float32))
         #: which buffer is the send buffer now (0 or 1); the tail always lives in buffer 0

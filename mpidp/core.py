@@ -40,6 +40,7 @@ class Facts(NamedTuple):
     root: int
     device: str
     timeout: float | None  # the watchdog's seconds (None: off)
+    exact: Any = None  # the session's exact sums (:class:`mpidp.exact_window.ExactWindow`; None: not exact)
 
 
 class DataParallel(Session):
@@ -145,6 +146,21 @@ class DataParallel(Session):
             self._cache.forget()  # a broken session holds no gradient arrays
             raise
         return ReducedGradients(out, agreed.global_weight)
+
+    def reduce_exact(self, agreed: Agreed, targets: Sequence[Any], operation: str) -> None:
+        """The exact path's movement of an agreed window into ``targets`` (a float32 host array per present slot; collective).
+
+        What an owner of overlapped windows falls back to where its buckets'
+        sums do not hold; the window's folds are gone afterwards. Raises
+        CollectiveError if MPI fails (the session is then broken).
+        """
+        if self._exact is None:
+            raise ContractError("reduce_exact needs an exact session: DataParallel.initialize(..., exact=True)")
+        try:
+            self._exact.reduce(agreed, self._comm, self._chunk_bytes, operation, targets)
+        except CollectiveError as e:
+            self._failed = str(e)
+            raise
 
     def _move(self, agreed: Agreed, operation: str) -> dict[str, Any]:
         """Sum, divide and cast back the agreed window's gradients (collective): the results by name."""
@@ -291,7 +307,7 @@ class DataParallel(Session):
     def facts(self) -> Facts:
         """What an owner of overlapped windows needs: communicator, slot sizes, chunk, root, device, timeout (local)."""
         timeout = None if self._watchdog is None else self._watchdog.timeout
-        return Facts(self._comm, self._slots.sizes, self._chunk_bytes, self._root, self._device, timeout)
+        return Facts(self._comm, self._slots.sizes, self._chunk_bytes, self._root, self._device, timeout, self._exact)
 
     def fail(self, error: CollectiveError) -> None:
         """Mark the session broken by ``error`` (an adapter's MPI call failed mid-window): every later call raises (local)."""

@@ -33,7 +33,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-__all__ = ["BITS", "LIMIT", "Accumulator", "Facts", "Stage", "decode", "encode", "kernels", "shard"]
+__all__ = ["BITS", "LIMIT", "Accumulator", "Facts", "Measured", "Stage", "decode", "encode", "kernels", "measured", "shard"]
 
 #: each fold keeps its values to 2**-BITS of the power of two above its largest magnitude
 BITS = 36
@@ -75,6 +75,11 @@ def decode(word: int) -> tuple[int | None, int, int, bool, bool]:
     return quantum, top, count, bool(word & _SPECIAL), bool(word & _OVERFLOW)
 
 
+#: a measured gradient: contiguous float32 values with inf and NaN zeroed; the exponent above their largest
+#: magnitude (None: all zero); the inf and NaN apart (None: none)
+Measured = tuple[np.ndarray, "int | None", "np.ndarray | None"]
+
+
 class Facts:
     """The agreed facts of one slot over the ranks with a weight: finest quantum, largest exponent, folds."""
 
@@ -96,6 +101,10 @@ class Facts:
                 self.count += count
         if self.quantum is not None and _span(self.top, self.quantum, self.count) > LIMIT:
             self.overflow = True
+
+    def key(self) -> tuple[int | None, int, int, bool, bool]:
+        """Everything the facts say, to compare two agreements of one slot."""
+        return self.quantum, self.top, self.count, self.special, self.overflow
 
 
 def _span(top: int, quantum: int, count: int) -> int:
@@ -145,8 +154,8 @@ class Accumulator:
         self.folded = [False] * n
         self.overflow = [False] * n
         self.special: dict[int, np.ndarray] = {}
-        #: per slot measured for reduce: (float32 values, inf and NaN zeroed; exponent or None; the inf and NaN, or None)
-        self.pending: dict[int, tuple[np.ndarray, int | None, np.ndarray | None]] = {}
+        #: per slot, what was measured for reduce
+        self.pending: dict[int, Measured] = {}
         self.error = None
 
     def buffer(self) -> np.ndarray:
@@ -183,12 +192,13 @@ class Accumulator:
         """Take the facts of slot ``i``'s last micro-batch, to be added by :meth:`reduce` (nothing added yet)."""
         self.pending[i] = _measured(values)
 
-    def word(self, i: int) -> int:
-        """Slot ``i``'s word of the window record: its folds and what was measured."""
+    def word(self, i: int, measured: Measured | None = None) -> int:
+        """Slot ``i``'s word of the window record: its folds and what was measured (or ``measured``, given)."""
         q, top, count, overflow = self.quantum[i], self.top[i], self.count[i], self.overflow[i]
         special = i in self.special
-        if i in self.pending:
-            _, e, bad = self.pending[i]
+        measured = self.pending.get(i) if measured is None else measured
+        if measured is not None:
+            _, e, bad = measured
             special |= bad is not None
             if e is not None:
                 q = e - BITS if q is None else min(q, e - BITS)
@@ -220,20 +230,22 @@ class Accumulator:
 
     def pack(self, lo: int, hi: int, facts: Sequence[Facts], out: np.ndarray) -> None:
         """Slot space ``[lo, hi)`` at the agreed quanta, as int64 into ``out``: the folds shifted, plus what was measured."""
-        k = kernels()
         for i, a, b in self.pieces(lo, hi):
-            q, o = facts[i].quantum, out[a - lo : b - lo]
-            if q is None:
-                o[...] = 0
-                continue
             base = self.starts[i]
-            now = self.quantum[i]
-            acc = _EMPTY if now is None else self.buffer()[a:b]
-            x, e, _ = self.pending.get(i, (_EMPTY32, None, None))
-            if e is None:  # nothing measured here: the folds alone
-                k.pack(_EMPTY32, 1.0, 0, acc, 0 if now is None else now - q, o)
-            else:
-                k.pack(x[a - base : b - base], 2.0 ** (BITS - e), e - BITS - q, acc, 0 if now is None else now - q, o)
+            self.pack_slot(i, facts[i].quantum, self.pending.get(i, _NOTHING), out[a - lo : b - lo], a - base, b - base)
+
+    def pack_slot(self, i: int, q: int | None, measured: Measured, out: np.ndarray, a: int = 0, b: int | None = None) -> None:
+        """Values ``[a, b)`` of slot ``i`` at quantum ``q`` (None: zeros), as int64 into ``out``: its folds plus ``measured``."""
+        b = self.sizes[i] if b is None else b
+        if q is None:
+            out[...] = 0
+            return
+        k, now, (x, e, _) = kernels(), self.quantum[i], measured
+        acc = _EMPTY if now is None else self.buffer()[self.starts[i] + a : self.starts[i] + b]
+        if e is None:  # nothing measured here: the folds alone
+            k.pack(_EMPTY32, 1.0, 0, acc, 0 if now is None else now - q, out)
+        else:
+            k.pack(x[a:b], 2.0 ** (BITS - e), e - BITS - q, acc, 0 if now is None else now - q, out)
 
     def unpack(self, lo: int, hi: int, facts: Sequence[Facts], ints: np.ndarray, global_weight: int, out: np.ndarray) -> None:
         """Convert summed ints of slot space ``[lo, hi)`` to float32 ``ints * 2**quantum / global_weight`` into ``out``."""
@@ -257,9 +269,15 @@ class Accumulator:
 
 _EMPTY = np.zeros(0, np.int64)
 _EMPTY32 = np.zeros(0, np.float32)
+_NOTHING: Measured = (_EMPTY32, None, None)
 
 
-def _measured(values: Any) -> tuple[np.ndarray, int | None, np.ndarray | None]:
+def measured(values: Any) -> Measured:
+    """One micro-batch's gradient of a slot, measured: float32 values (inf and NaN zeroed), exponent, the inf and NaN (local)."""
+    return _measured(values)
+
+
+def _measured(values: Any) -> Measured:
     """A contiguous float32 view or copy of a host array (16-bit upcast exactly), inf and NaN zeroed; its exponent; the inf and NaN."""
     x = np.asarray(values)
     if x.dtype != np.float32 or not x.flags.c_contiguous:

@@ -84,17 +84,19 @@ class ExactWindow:
         """Drop the window's folds (a refused window: the next one starts clean)."""
         self.acc.clear()
 
-    def reduce(self, agreed: Any, comm: Any, chunk_bytes: int, operation: str) -> dict[str, Any]:
+    def reduce(self, agreed: Any, comm: Any, chunk_bytes: int, operation: str, into: Sequence[Any] | None = None) -> dict[str, Any]:
         """Sum the integers over the ranks, write each result once converted (collective; ``agreed``: the core's Agreed).
 
         Returns the results by the names the gradients came with (new zero
-        arrays, by head name, where this rank had none). Raises
+        arrays, by head name, where this rank had none); with ``into`` (a
+        host array per present slot, else None: an overlapped window's send
+        views), writes there instead and returns nothing. Raises
         CollectiveError if MPI fails; the folds are gone either way.
         """
         acc, facts = self.acc, agreed.exact
         out: dict[str, Any] = {}
-        targets: list[Any] = [None] * len(self.slots)
-        for i, here in enumerate(agreed.present(len(self.slots))):
+        targets: list[Any] = [None] * len(self.slots) if into is None else list(into)
+        for i, here in enumerate(agreed.present(len(self.slots)) if into is None else ()):
             if here:
                 x, group = agreed.given[i], self.slots.groups[i]
                 g = arrays.zeros_like(group.param) if x is None else x.array

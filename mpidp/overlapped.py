@@ -33,7 +33,8 @@ from . import guard, records
 from .buckets import Buckets, divide
 from .core import DataParallel
 from .errors import CollectiveError, ContractError
-from .progress import CommThread, NonBlocking, Progress
+from .exact_buckets import ExactBuckets
+from .progress import CommThread, NonBlocking, Progress, Work
 
 __all__ = ["Outcome", "Overlapped", "Session"]
 
@@ -53,11 +54,16 @@ class Outcome(NamedTuple):
 class Overlapped:
     """One session's overlapped windows: the bucket state, the progress engine and the window's order (collective steps)."""
 
-    def __init__(self, session: DataParallel, state: Buckets, engine: Progress, watchdog: guard.Watchdog | None) -> None:
+    def __init__(
+        self, session: DataParallel, state: Buckets, engine: Progress, watchdog: guard.Watchdog | None, exact: ExactBuckets | None = None
+    ) -> None:
         self.session = session
         self._state = state
         self._engine = engine
         self._watchdog = watchdog
+        #: an exact session's bucket sums (None: float32 calls); every bucket, the last included, is then a job before the agreement
+        self._exact = exact
+        self._last = len(state) if exact is not None else state.tail
         self._expected: int | None = None
         self._closed = False
         #: the global weight the engine divided the last window's sums by as they came (None: divided after them)
@@ -90,11 +96,12 @@ class Overlapped:
             return None
         own = _mpi.duplicate(comm.comm)
         state = Buckets(facts.sizes, rows[facts.root][0], bucket_bytes // 4, facts.chunk_bytes // 4)
+        sums = None if facts.exact is None else ExactBuckets(facts.exact.acc, state.members, state.offset, facts.chunk_bytes // 8)
         if not thread:
-            return cls(session, state, NonBlocking(own, comm), None)
+            return cls(session, state, NonBlocking(own, comm), None, sums)
         engine = CommThread(own, comm, lambda e: guard.fatal(own.rank, "the communication thread's Allreduce", e))
         watchdog = None if facts.timeout is None else guard.Watchdog(own, facts.timeout)  # the thread's calls, watched
-        return cls(session, state, engine, watchdog)
+        return cls(session, state, engine, watchdog, sums)
 
     # ------------------------------------------------------------ accessors
 
@@ -145,13 +152,18 @@ class Overlapped:
         self._expected = int(weight)
 
     def _advance(self) -> None:
-        """Queue the complete buckets before the tail, opening the window before the first one."""
-        state = self._state
-        while self._queued < min(state.complete, state.tail) and self._refused is None:
+        """Queue the complete buckets before the tail (exact: every one), opening the window before the first one."""
+        while self._queued < min(self._state.complete, self._last) and self._refused is None:
             if not self._opened and self._open(closing=False) is None:
                 return
-            self._engine.queue(state.calls(self._queued), self._divisor)
-            self._queued += 1
+            self._queue_next(self._divisor)
+
+    def _queue_next(self, divisor: int | None) -> None:
+        """Hand the next bucket to the engine: its calls, or (exact) its job."""
+        k = self._queued
+        work: list[Work] = list(self._state.calls(k)) if self._exact is None else [self._exact.job(k, self.views(self._state.side))]
+        self._engine.queue(work, divisor if self._exact is None else None)
+        self._queued += 1
 
     def _open(self, closing: bool) -> list[list[int]] | None:
         """Exchange the window's :class:`~mpidp.records.Open` record (collective on the session's communicator).
@@ -202,8 +214,10 @@ class Overlapped:
             checked = self.session.check_window(grads, weight, policy, error, step=step)
             late = self._engine.settle(operation)  # the thread's calls all summed before the exchange
             agreed = self._agree(checked, late, bool(changed), operation)
-            redo = self._finish(agreed, changed, operation)
-            self._results(agreed.global_weight, redo)
+            if self._exact is not None:
+                self._exact_results(agreed, operation)
+            else:
+                self._results(agreed.global_weight, self._finish(agreed, changed, operation))
             return Outcome(agreed.global_weight, agreed.present(len(self._state.fixed)))
         except CollectiveError as e:
             self._broken = e
@@ -259,6 +273,25 @@ class Overlapped:
             divide(values, agreed.global_weight)
         return redo
 
+    def _exact_results(self, agreed: Any, operation: str) -> None:
+        """Finish the jobs; convert their sums into the send views, or reduce again on the plain exact path (collective).
+
+        Again where a rank had weight 0 or asked (a gradient changed after
+        its bucket left) or a bucket's facts are not the window's: every
+        rank decides on agreed facts alike.
+        """
+        sums = self._exact
+        assert sums is not None
+        self._engine.finish(max(w >> 1 for w in agreed.extra), f"{operation}: exact buckets")
+        self.divided = None
+        views = self.views(self._state.side)
+        present = agreed.present(len(views))
+        redo = agreed.zero_weight or any(w & 1 for w in agreed.extra)
+        if redo or not sums.results(agreed.exact, agreed.global_weight, present, views):
+            self.session.reduce_exact(agreed, [v if here else None for v, here in zip(views, present)], operation)
+        else:
+            sums.acc.clear()
+
     def _results(self, global_weight: int, redo: bool) -> None:
         """Leave every slot's ``sum / global_weight`` in its send view: the engine's own division, or one here."""
         self.divided = None if redo else self._engine.divided
@@ -271,9 +304,8 @@ class Overlapped:
     def _drain(self, operation: str) -> None:
         """End a refused window: hand every bucket not queued yet as it is and finish them, sums thrown away (collective)."""
         self._state.rest()
-        while self._queued < self._state.tail:
-            self._engine.queue(self._state.calls(self._queued), None)
-            self._queued += 1
+        while self._queued < self._last:
+            self._queue_next(None)
         self._engine.drain(f"{operation}: Iallreduce")
 
     def interrupt(self) -> None:
@@ -287,9 +319,8 @@ class Overlapped:
         if self._closed or not self._opened or self._refused is not None:
             return
         self._state.rest()
-        while self._queued < self._state.tail:
-            self._engine.queue(self._state.calls(self._queued), None)
-            self._queued += 1
+        while self._queued < self._last:
+            self._queue_next(None)
         self._engine.hand()
         self._interrupted = True
 
@@ -304,6 +335,8 @@ class Overlapped:
     def _reset(self) -> None:
         self._state.reset()
         self._engine.reset()
+        if self._exact is not None:
+            self._exact.reset()
         self._queued = 0  # buckets handed to the engine in this window
         self._opened = False
         self._refused = None

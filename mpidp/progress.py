@@ -23,6 +23,11 @@ is this rank's error at the agreement (:meth:`~Progress.settle` returns it),
 and the calling thread sums what the thread left, so that the collectives
 still match.
 
+A bucket of the exact reduction is a :class:`Job` instead of calls (its
+ranks agree on its scales, then sum integers): the thread runs it with
+blocking calls like a call; the hooks never hand it to MPI, it runs with
+blocking calls in order once the window is finished or drained.
+
 Both run the calls on a communicator of their own (the window's agreement
 on the session's communicator may run while they are in flight); what the
 caller waits in is watched on ``watched``, the session's.
@@ -37,15 +42,13 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from .buckets import Call, divide
 from .errors import CollectiveError
 
 if TYPE_CHECKING:
     from .comm import Communicator
 
-__all__ = ["DEPTH", "CommThread", "NonBlocking", "Progress"]
+__all__ = ["DEPTH", "CommThread", "Job", "NonBlocking", "Progress"]
 
 #: Non-blocking calls in flight at once. MPICH 5.0.2 (PyPI wheel, shared memory, 2 ranks) sums 120 MB
 #: in 1 MiB Iallreduce calls 2-3x slower with every call started at once than with 1-2 in flight
@@ -54,6 +57,22 @@ DEPTH = 2
 
 #: what the communication thread's calls are called (the buckets' watchdog reports it)
 THREAD_OPERATION = "reduce: Allreduce (communication thread)"
+
+
+class Job:
+    """A bucket's work of more than one call, in order, with blocking calls (:mod:`mpidp.exact_buckets`).
+
+    :meth:`run` may be called again after it raised (not an MPI error): it
+    goes on from the first call it had not made, so that every rank makes
+    each call once.
+    """
+
+    def run(self, comm: Communicator, operation: str) -> None:
+        raise NotImplementedError
+
+
+#: what an engine is queued: a bucket's calls, or its job
+Work = Call | Job
 
 
 class Progress:
@@ -70,8 +89,8 @@ class Progress:
         #: the divisor applied to this window's sums as they came (None: left to the owner)
         self.divided: int | None = None
 
-    def queue(self, calls: Sequence[Call], divisor: int | None) -> None:
-        """Queue one bucket's calls, in order (local); ``divisor``: the agreed global weight, if the engine may divide."""
+    def queue(self, calls: Sequence[Work], divisor: int | None) -> None:
+        """Queue one bucket's calls (or its job), in order (local); ``divisor``: the agreed global weight, if the engine may divide."""
         raise NotImplementedError
 
     def poll(self) -> None:
@@ -109,11 +128,11 @@ class NonBlocking(Progress):
 
     def __init__(self, comm: Communicator, watched: Communicator) -> None:
         super().__init__(comm, watched)
-        self._pending: deque[Call] = deque()
+        self._pending: deque[Work] = deque()
         self._flight: deque[Any] = deque()
         self.depth = DEPTH
 
-    def queue(self, calls: Sequence[Call], divisor: int | None) -> None:
+    def queue(self, calls: Sequence[Work], divisor: int | None) -> None:
         self._pending.extend(calls)
 
     def poll(self) -> None:
@@ -123,35 +142,39 @@ class NonBlocking(Progress):
             flight.popleft()
         self._fill()
 
-    def _fill(self) -> None:
-        while self._pending and len(self._flight) < self.depth:
-            send, recv = self._pending.popleft()
+    def _fill(self, limit: int | None = None) -> None:
+        """Hand queued calls to MPI, up to :attr:`depth` in flight (``limit``: up to that many in all); never a job."""
+        while self._pending and not isinstance(self._pending[0], Job):
+            if (len(self._flight) >= self.depth) if limit is None else (self.handed >= limit):
+                return
+            send, recv = self._pending.popleft()  # type: ignore[misc]
             self._flight.append(self.comm.Iallreduce(send, recv, "reduce: Iallreduce"))
             self.handed += 1
 
     def _wait(self, operation: str) -> None:
-        self._fill()
-        while self._flight:
-            self.watched.wait([self._flight.popleft()], operation)
+        """Finish everything queued, in order: calls handed as they fit, a job with blocking calls when it is next."""
+        while True:
             self._fill()
+            if self._flight:
+                self.watched.wait([self._flight.popleft()], operation)
+            elif self._pending:  # a job
+                self._pending.popleft().run(self.watched, operation)  # type: ignore[union-attr]
+            else:
+                return
 
     def finish(self, handed: int, operation: str) -> None:
-        """Start non-blocking up to call ``handed`` (as every rank does), then sum the rest with blocking calls."""
-        pending = self._pending
-        while self.handed < handed:
-            send, recv = pending.popleft()
-            self._flight.append(self.comm.Iallreduce(send, recv, "reduce: Iallreduce"))
-            self.handed += 1
-        self._pending = deque()
+        """Start non-blocking up to call ``handed`` (as every rank does), then the rest with blocking calls."""
+        self._fill(limit=handed)
+        pending, self._pending = self._pending, deque()
         self._wait(operation)
-        for send, recv in pending:
-            self.watched.Allreduce_into(send, recv, operation)
+        for work in pending:
+            if isinstance(work, Job):
+                work.run(self.watched, operation)
+            else:
+                self.watched.Allreduce_into(*work, operation)
 
     def hand(self) -> None:
-        while self._pending:
-            send, recv = self._pending.popleft()
-            self._flight.append(self.comm.Iallreduce(send, recv, "reduce: Iallreduce"))
-            self.handed += 1
+        self._fill(limit=1 << 62)
 
     def drain(self, operation: str) -> None:
         self._wait(operation)
@@ -168,7 +191,7 @@ class CommThread(Progress):
         self._fatal = fatal
         #: guards the queue, :attr:`failure` and the thread's state; the thread waits on it for work
         self._cond = threading.Condition()
-        self._pending: deque[tuple[np.ndarray, np.ndarray, int | None]] = deque()
+        self._pending: deque[tuple[Work, int | None]] = deque()
         self._thread: threading.Thread | None = None
         self._busy = False  # the thread is in a call (still at the head of the queue)
         self._called = False  # ... and MPI has finished that call (what an exception after it must not repeat)
@@ -176,10 +199,10 @@ class CommThread(Progress):
         #: what the thread raised (not MPI: the calls could still finish), until taken
         self.failure: str | None = None
 
-    def queue(self, calls: Sequence[Call], divisor: int | None) -> None:
+    def queue(self, calls: Sequence[Work], divisor: int | None) -> None:
         with self._cond:
             self.divided = divisor
-            self._pending.extend((send, recv, divisor) for send, recv in calls)
+            self._pending.extend((work, divisor) for work in calls)
             if self._thread is None and self.failure is None:
                 self._thread = threading.Thread(target=self._serve, name="mpidp-communication", daemon=True)
                 self._thread.start()
@@ -223,9 +246,13 @@ class CommThread(Progress):
             self._thread = None
             self._cond.notify_all()
 
-    def _run(self, call: tuple[np.ndarray, np.ndarray, int | None], operation: str) -> None:
-        """One blocking call, divided right after it where the window's divisor is known."""
-        send, recv, divisor = call
+    def _run(self, call: tuple[Work, int | None], operation: str) -> None:
+        """One blocking call, divided right after it where the window's divisor is known; or a job (resumable)."""
+        work, divisor = call
+        if isinstance(work, Job):
+            work.run(self.comm, operation)
+            return
+        send, recv = work
         self.comm.Allreduce_into(send, recv, operation)
         self._called = True
         if divisor is not None:

@@ -78,10 +78,12 @@ class DataParallel:
     overlap (:attr:`overlap` is None): every core computes, nothing can run
     beside backward, and the hooks would only slow it. Every rank must pass the same.
 
-    ``exact=True`` makes :meth:`reduce` exact (CPU parameters, no overlap):
-    call :meth:`fold` after each micro-batch's backward, and the result's
-    bits depend only on the set of micro-batches, not on the world size
-    (:mod:`mpidp.exact`, docs/reproducibility.md).
+    ``exact=True`` makes :meth:`reduce` exact (CPU parameters): call
+    :meth:`fold` after each micro-batch's backward (with overlap, each but
+    the last, run under :meth:`no_sync`), and the result's bits depend only
+    on the set of micro-batches, not on the world size, the reduction path
+    or overlap (:mod:`mpidp.exact`, :mod:`mpidp.exact_buckets`,
+    docs/reproducibility.md).
 
     ``chunk_bytes``, ``abort_on_exception`` and ``timeout`` are those of
     :meth:`mpidp.DataParallel.initialize`. Raises ContractError on every rank,
@@ -108,7 +110,7 @@ class DataParallel:
         regions = torch_model.regions(torch_model.buffers(model) if error is None else [])
         if bucket_bytes is None:
             bucket_bytes = chunk_bytes
-        error = error or regions.error or _overlap_problem(model, overlap, bucket_bytes, exact)
+        error = error or regions.error or _overlap_problem(model, overlap, bucket_bytes)
         self._params: dict[str, Any] = dict(model.named_parameters(remove_duplicate=False)) if error is None else {}
         frozen = [name for name, p in self._params.items() if not p.requires_grad]
         moved: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
@@ -394,14 +396,12 @@ class DataParallel:
 
 
 
-def _overlap_problem(model: torch.nn.Module, overlap: Any, bucket_bytes: Any, exact: Any = False) -> str | None:
-    """Why ``overlap`` cannot serve this rank's model with these buckets (and ``exact``), or None (local)."""
+def _overlap_problem(model: torch.nn.Module, overlap: Any, bucket_bytes: Any) -> str | None:
+    """Why ``overlap`` cannot serve this rank's model with these buckets, or None (local)."""
     if not isinstance(overlap, bool) and overlap not in ("hooks", "thread"):
         return f"overlap must be False, True, 'hooks' or 'thread', got {overlap!r}"
     if overlap is False:
         return None
-    if exact is True:
-        return f"exact=True does not overlap with backward yet: pass overlap=False (got overlap={overlap!r})"
     if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 4:
         return f"bucket_bytes must be an integer of at least 4, got {bucket_bytes!r}"
     for name, p in model.named_parameters(remove_duplicate=False):

@@ -171,9 +171,3 @@ def test_a_transformer_trained_with_adamw_has_one_hash_at_every_world_size(comm:
         with first_ranks(comm, ranks) as sub:
             if sub is not None:
                 assert train(sub) == expected, f"rank {sub.rank} of {ranks}"
-
-
-def test_exact_does_not_overlap_yet(comm: MPI.Comm) -> None:
-    same_error_everywhere(
-        comm, lambda: mpidp.torch.DataParallel(torch.nn.Linear(2, 2), comm, exact=True, overlap=True), ContractError, "exact=True"
-    )

@@ -53,3 +53,6 @@ def test_reproducible_prints_one_hash_at_every_world_size_and_after_a_resume(tmp
     _reproducible(4, "--steps", "1", "--save", str(tmp_path / "ckpt.pt"))
     assert _reproducible(3, "--steps", "2", "--resume", str(tmp_path / "ckpt.pt")) == hashes[1]
     assert _reproducible(1, "--steps", "3") != hashes[1]
+    # issue 33 item 6: the same with overlap, buckets summed as integers during the last backward
+    assert _reproducible(3, "--steps", "2", "--overlap", "thread") == hashes[1]
+    assert _reproducible(2, "--steps", "2", "--overlap", "hooks") == hashes[1]

@@ -15,7 +15,7 @@ FLOORS = {
     "contract": 2, "packing": 2, "comm": 2, "exact": 2, "buckets": 2,
     "layout": 3, "records": 3, "guard": 3, "progress": 3,
     "cuda": 3.5,  # the device room stands on the agreement it uses (select_device's), under checks and window
-    "exact_window": 4,
+    "exact_window": 4, "exact_buckets": 4,
     "window": 4, "checks": 4,
     "session": 4.5,
     "core": 5,

@@ -1,6 +1,6 @@
 """The same parameter bits at any world size: a small transformer trained with the exact reduction.
 
-Run: ``mpiexec -n N python -m mpi4py -m mpidp.examples.reproducible [--steps K] [--save FILE] [--resume FILE]``
+Run: ``mpiexec -n N python -m mpi4py -m mpidp.examples.reproducible [--steps K] [--save FILE] [--resume FILE] [--overlap MODE]``
 
 Every step trains on a fixed list of 12 micro-batches (made up from the
 step's number and the micro-batch's, nothing to download); micro-batch
@@ -12,13 +12,16 @@ parameters: the same for every N, and after a resume from ``--save`` at
 any other N (the checkpoint is one file, written by rank 0: model,
 optimizer state and step; every rank reads it and the session broadcasts
 root's model). PyTorch runs on one thread per rank: the same kernels, the
-same bits (docs/reproducibility.md).
+same bits (docs/reproducibility.md). ``--overlap thread`` (or ``hooks``)
+sums the buckets as integers during each window's last backward, the
+others run under ``no_sync``: the same hash again.
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
+from contextlib import nullcontext
 from pathlib import Path
 
 import numpy as np
@@ -57,6 +60,7 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--save", type=Path, help="file for the checkpoint (written by rank 0 at the end)")
     parser.add_argument("--resume", type=Path, help="checkpoint file to continue from")
     parser.add_argument("--plain", action="store_true", help="the float32 reduction instead (its bits change with N)")
+    parser.add_argument("--overlap", choices=("hooks", "thread"), help="sum the buckets during each window's last backward")
     args = parse_args(parser, argv)
     comm = MPI.COMM_WORLD
     torch.set_num_threads(1)  # one thread: the same kernels on every rank, at every world size
@@ -70,14 +74,17 @@ def main(argv: list[str] | None = None) -> str:
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         start = int(state["step"])
-    dp = mpidp.torch.DataParallel(model, comm, exact=not args.plain)
+    dp = mpidp.torch.DataParallel(model, comm, exact=not args.plain, overlap=args.overlap or False)
     for step in range(start, args.steps):
         tokens = 0
-        for i in shard(MICRO_BATCHES, dp.rank, dp.world_size):  # micro-batch i on rank i % N
+        mine = list(shard(MICRO_BATCHES, dp.rank, dp.world_size))  # micro-batch i on rank i % N
+        for j, i in enumerate(mine):
+            last = args.overlap is not None and j == len(mine) - 1  # with overlap, its hooks fill the buckets
             x, y = micro_batch(lang, args.seed, step, i, args.context)
             loss_sum = F.cross_entropy(model(x).view(-1, VOCAB), y.view(-1), ignore_index=IGNORE, reduction="sum")
-            loss_sum.backward()
-            if not args.plain:
+            with nullcontext() if last or args.overlap is None else dp.no_sync():
+                loss_sum.backward()
+            if not args.plain and not last:
                 dp.fold()  # this micro-batch's gradient, into the window's exact sums; .grad back to zero
             tokens += int((y != IGNORE).sum())
         dp.reduce(local_weight=tokens, step=step)  # .grad: the exact global token mean, the same bits at any N
@@ -91,7 +98,7 @@ def main(argv: list[str] | None = None) -> str:
     comm.Barrier()  # the checkpoint is written before any rank reports
     out = digest(model)
     if comm.rank == 0:
-        how = "float32 (plain)" if args.plain else "exact"
+        how = ("float32 (plain)" if args.plain else "exact") + (f", overlap={args.overlap}" if args.overlap else "")
         print(f"reproducible: {args.steps} steps of {MICRO_BATCHES} micro-batches on {comm.size} rank(s), {how} reduction")
         print(f"sha256 {out}", flush=True)
     return out

@@ -1,0 +1,180 @@
+"""The exact reduction with overlap: buckets summed as integers while backward runs, the bits of one process.
+
+Serially a world of one; under ``mpiexec -n 4`` four ranks, and three, two
+and one split from them; on two simulated hosts in the multi-host step.
+Every result is compared with a session on ``COMM_SELF`` that reduced
+without overlap, and every test checks which way the overlapped window
+went: its buckets' sums (:mod:`mpidp.exact_buckets`) or, where they cannot
+hold, the plain exact path again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import first_ranks, same_error_everywhere
+from mpi4py import MPI
+
+import mpidp.core
+import mpidp.exact_buckets
+import mpidp.torch
+from mpidp import ContractError
+from mpidp.exact import shard
+from mpidp.examples.charlm import IGNORE, VOCAB, CharLM, Language, batch
+
+COUNT = 12  # micro-batches per window
+SMALL = {"bucket_bytes": 8192, "chunk_bytes": 4096}  # several buckets, several int64 calls per bucket
+
+
+@pytest.fixture(params=["hooks", "thread"])
+def mode(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+class Ways:
+    """How many windows took the buckets' sums and how many the plain exact path again (this rank)."""
+
+    def __init__(self) -> None:
+        self.buckets = 0  # bucket jobs that summed their integers
+        self.again = 0  # windows reduced again on the plain exact path
+
+
+@contextmanager
+def counted(monkeypatch: pytest.MonkeyPatch) -> Iterator[Ways]:
+    ways = Ways()
+    run, again = mpidp.exact_buckets.BucketJob.run, mpidp.core.DataParallel.reduce_exact
+
+    def job(self: Any, comm: Any, operation: str) -> None:
+        run(self, comm, operation)
+        ways.buckets += bool(self.calls)
+
+    def plain(self: Any, *args: Any) -> None:
+        ways.again += 1
+        again(self, *args)
+
+    monkeypatch.setattr(mpidp.exact_buckets.BucketJob, "run", job)
+    monkeypatch.setattr(mpidp.core.DataParallel, "reduce_exact", plain)
+    yield ways
+
+
+def spread_evenly(rank: int, size: int) -> list[int]:
+    return list(shard(COUNT, rank, size))
+
+
+def train(comm: MPI.Comm, overlap: Any = False, steps: int = 2, spread: Callable[[int, int], list[int]] = spread_evenly, sync_each: bool = False) -> str:
+    """A small transformer, AdamW, ``steps`` windows of the same 12 micro-batches over ``comm``; its parameters' hash.
+
+    With overlap, every backward but the last of a window runs under
+    ``no_sync`` and is folded; the last one's hooks start the buckets
+    (``sync_each``: no ``no_sync``, every micro-batch folded, as a careless loop).
+    """
+    torch.manual_seed(0)
+    lang = Language()
+    model = CharLM(dim=16, layers=1, heads=2, context=24)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with mpidp.torch.DataParallel(model, comm, exact=True, overlap=overlap, **SMALL) as dp:
+            for step in range(steps):
+                mine, tokens = spread(dp.rank, dp.world_size), 0
+                for j, i in enumerate(mine):
+                    last = j == len(mine) - 1 and not sync_each
+                    x, y = batch(np.random.default_rng([step, i]), lang, 2, 24)
+                    with nullcontext() if last or not overlap or sync_each else dp.no_sync():
+                        F.cross_entropy(model(x).view(-1, VOCAB), y.view(-1), ignore_index=IGNORE, reduction="sum").backward()
+                    if not last:
+                        dp.fold()
+                    tokens += int((y != IGNORE).sum())
+                dp.reduce(local_weight=tokens)
+                opt.step()
+                dp.zero_grad()
+    finally:
+        torch.set_num_threads(threads)
+    return hashlib.sha256(b"".join(p.detach().numpy().tobytes() for _, p in sorted(model.named_parameters()))).hexdigest()
+
+
+def test_overlapped_buckets_give_one_process_bits_at_every_world_size(comm: MPI.Comm, mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    expected = train(MPI.COMM_SELF)
+    with counted(monkeypatch) as ways:
+        for ranks in sorted({comm.size, 3, 2, 1} & set(range(1, comm.size + 1))):
+            with first_ranks(comm, ranks) as sub:
+                if sub is not None:
+                    assert train(sub, overlap=mode) == expected, f"rank {sub.rank} of {ranks}"
+    assert ways.again == 0 and ways.buckets > 0  # the buckets' integer sums, not the plain path again
+
+
+def test_a_gradient_changed_after_its_bucket_left_is_reduced_again(comm: MPI.Comm, mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every backward outside no_sync, then folded: the buckets left with the wrong gradients; the window still holds."""
+    expected = train(MPI.COMM_SELF)
+    with counted(monkeypatch) as ways:
+        assert train(comm, overlap=mode, sync_each=True) == expected
+    assert ways.again == 2  # each window, on every rank
+
+
+def test_a_rank_without_tokens_reduces_again_with_the_same_bits(comm: MPI.Comm, mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    if comm.size == 1:
+        pytest.skip("needs two ranks")
+
+    def all_but_the_last(rank: int, size: int) -> list[int]:
+        return [] if rank == size - 1 else [i for i in range(COUNT) if i % (size - 1) == rank]
+
+    expected = train(MPI.COMM_SELF)
+    with counted(monkeypatch) as ways:
+        assert train(comm, overlap=mode, spread=all_but_the_last) == expected
+    assert ways.again == 2
+
+
+class Scaled(torch.nn.Module):
+    """One parameter whose gradient is the given values: ``loss = (p * values).sum()``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.p = torch.nn.Parameter(torch.zeros(3000))
+        self.q = torch.nn.Parameter(torch.zeros(5))
+
+    def forward(self, values: torch.Tensor) -> torch.Tensor:
+        return (self.p * values).sum() + self.q.sum()
+
+
+def test_inf_and_nan_from_one_rank_give_the_plain_exact_bits(comm: MPI.Comm, mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    def run(overlap: Any) -> bytes:
+        model = Scaled()
+        with mpidp.torch.DataParallel(model, comm, exact=True, overlap=overlap, **SMALL) as dp:
+            values = torch.from_numpy(np.random.default_rng(comm.rank).standard_normal(3000).astype(np.float32))
+            if comm.rank == comm.size - 1:
+                values[7], values[8] = float("inf"), float("nan")
+            model(values).backward()
+            dp.reduce(local_weight=1)
+            return model.p.grad.numpy().tobytes() + model.q.grad.numpy().tobytes()
+
+    plain = run(False)
+    with counted(monkeypatch) as ways:
+        assert run(mode) == plain
+    assert ways.again == 1
+    got = np.frombuffer(plain[: 3000 * 4], np.float32)
+    assert np.isinf(got[7]) and np.isnan(got[8]) and np.isfinite(np.delete(got, [7, 8])).all()
+
+
+def test_a_slot_too_wide_for_int64_is_one_error_everywhere_then_the_next_window_works(comm: MPI.Comm, mode: str) -> None:
+    model = Scaled()
+    with mpidp.torch.DataParallel(model, comm, exact=True, overlap=mode, **SMALL) as dp:
+        big = 2.0**30 if comm.rank == 0 else 2.0**-30
+        if comm.size == 1:
+            with dp.no_sync():
+                model(torch.full((3000,), 2.0**-30)).backward()
+            dp.fold()
+        model(torch.full((3000,), big)).backward()
+        same_error_everywhere(comm, lambda: dp.reduce(local_weight=1), ContractError, "exact reduction", "'p'", "int64")
+        dp.zero_grad()
+        model(torch.full((3000,), float(comm.rank + 1))).backward()
+        dp.reduce(local_weight=1)
+        mean = np.float32(sum(range(1, comm.size + 1)) / comm.size)  # the global weight is the world size
+        assert (model.p.grad.numpy() == mean).all() and (model.q.grad == 1).all()

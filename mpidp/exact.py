@@ -27,7 +27,6 @@ no order either), and win over the finite sum, as in a float32 sum.
 from __future__ import annotations
 
 import bisect
-import itertools
 from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
 
@@ -130,12 +129,16 @@ class Accumulator:
     agreed quanta, sums over the ranks and converts back.
     """
 
-    def __init__(self, sizes: Sequence[int]) -> None:
+    def __init__(self, sizes: Sequence[int], order: Sequence[int] | None = None) -> None:
         self.sizes = tuple(int(n) for n in sizes)
-        bounds = np.cumsum((0, *self.sizes)).tolist()
-        self.starts = bounds[:-1]
-        self.bounds = list(itertools.pairwise(bounds))
-        self.total = bounds[-1]
+        #: the slots in slot-space order (default: by index); any order agreed by every rank gives the same bits
+        self.order = list(range(len(self.sizes)) if order is None else order)
+        self._edges = np.cumsum((0, *(self.sizes[i] for i in self.order))).tolist()  # slot-space start of each, in order
+        self.starts = [0] * len(self.sizes)
+        for i, start in zip(self.order, self._edges):
+            self.starts[i] = start
+        self.bounds = [(self.starts[i], self.starts[i] + n) for i, n in enumerate(self.sizes)]
+        self.total = self._edges[-1]
         self.sums: np.ndarray | None = None  # int64, allocated on the first fold
         self._stage: Stage | None = None
         self.quantum: list[int | None] = []  # per slot, the finest quantum folded (None: nothing folded); set by clear
@@ -259,12 +262,13 @@ class Accumulator:
 
     def pieces(self, lo: int, hi: int) -> Iterator[tuple[int, int, int]]:
         """The slots that overlap slot space ``[lo, hi)``: (slot, start, end) of each overlap."""
-        i = bisect.bisect_right(self.starts, lo) - 1
-        while i < len(self.sizes) and self.starts[i] < hi:
+        j = bisect.bisect_right(self._edges, lo) - 1
+        while j < len(self.order) and self._edges[j] < hi:
+            i = self.order[j]
             a, b = max(lo, self.bounds[i][0]), min(hi, self.bounds[i][1])
             if a < b:
                 yield i, a, b
-            i += 1
+            j += 1
 
 
 _EMPTY = np.zeros(0, np.int64)

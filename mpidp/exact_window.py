@@ -25,10 +25,10 @@ __all__ = ["ExactWindow", "reduce"]
 class ExactWindow:
     """The exact sums of a session's reduction slots (``slots``: the core's), and their place in the window record."""
 
-    def __init__(self, slots: Any, base: int) -> None:
+    def __init__(self, slots: Any, base: int, order: Sequence[int] | None = None) -> None:
         self.slots = slots
         self.base = base  # the record word of slot 0's exact facts
-        self.acc = exact.Accumulator(slots.sizes)
+        self.acc = exact.Accumulator(slots.sizes, order)  # ``order``: the slots' order in the flat gradient storage
 
     @property
     def error(self) -> str | None:
@@ -157,10 +157,12 @@ def reduce(
     c = max(size, chunk // size * size)
     stage = acc.stage(c, size)
     later: dict[int, np.ndarray] = {}
+    region = _region(acc, targets)
     for lo in range(0, acc.total, c):
         hi = min(lo + c, acc.total)
         width = -(-(hi - lo) // size) * size
         send, part = stage.send[:width], width // size
+        direct = region is not None and lo + width <= acc.total  # gathered straight into the targets
         if weighted:
             acc.pack(lo, hi, facts, send[: hi - lo])
             send[hi - lo :] = 0
@@ -171,14 +173,31 @@ def reduce(
             scatter(send, stage.shard[:part])
             ints = stage.shard[:part]
         mine_lo, mine_hi = min(hi, lo + rank * part), min(hi, lo + (rank + 1) * part)
-        floats = stage.floats[:width]
+        floats = region[lo : lo + width] if direct else stage.floats[:width]  # type: ignore[index]
         acc.unpack(mine_lo, mine_hi, facts, ints[: mine_hi - mine_lo], global_weight, floats[mine_lo - lo : mine_hi - lo])
         if size > 1:
             gather(floats)
-        _write(acc, lo, hi, floats, targets, later)
+        if not direct:
+            _write(acc, lo, hi, floats, targets, later)
     for i, values in later.items():
         t = targets[i]
         t[...] = values.reshape(t.shape)
+
+
+def _region(acc: exact.Accumulator, targets: Sequence[Any]) -> np.ndarray | None:
+    """The targets as one float32 array over the whole slot space where they lie so (gradient buffers), else None.
+
+    Each target is its slot's values, so where every one is writable
+    contiguous float32 that starts at the byte its slot starts at, they
+    tile the memory of the array returned, and a chunk's results can be
+    gathered there in place (no copy-out pass).
+    """
+    if not targets or any(t is None or t.dtype != np.float32 or not t.flags.c_contiguous or not t.flags.writeable for t in targets):
+        return None
+    base = targets[0].ctypes.data
+    if any(t.ctypes.data != base + 4 * start or t.size != n for t, start, n in zip(targets, acc.starts, acc.sizes)):
+        return None
+    return np.lib.stride_tricks.as_strided(targets[0].reshape(-1), shape=(acc.total,), strides=(4,), writeable=True)
 
 
 def _write(acc: exact.Accumulator, lo: int, hi: int, floats: np.ndarray, targets: Sequence[Any], later: dict[int, np.ndarray]) -> None:

@@ -122,6 +122,12 @@ class Prepared(NamedTuple):
     slot: Slot  # the chunk loop's description of ``view``
 
 
+def flat_order(sizes: Sequence[int], kinds: Sequence[Any], chunk: int) -> list[int]:
+    """Every slot, in the order the full reduce plan moves them (empty ones last): the order of :class:`FlatGradients`."""
+    order = dict.fromkeys(seg.slot for call in plan(sizes, [True] * len(sizes), chunk, kinds=kinds) for seg in call.segments)
+    return [*order, *(i for i in range(len(sizes)) if i not in order)]
+
+
 class FlatGradients:
     """Persistent gradient arrays, one per reduction slot, views into one flat buffer per dtype.
 
@@ -132,12 +138,13 @@ class FlatGradients:
     """
 
     def __init__(self, likes: Sequence[Any], infos: Sequence[arrays.ArrayInfo], sizes: Sequence[int], chunk: int) -> None:
-        kinds = [info.dtype for info in infos]
-        order = [seg.slot for call in plan(sizes, [True] * len(sizes), chunk, kinds=kinds) for seg in call.segments]
+        order = flat_order(sizes, [info.dtype for info in infos], chunk)
         offsets: dict[int, tuple[str, int]] = {}
         totals: dict[str, int] = {}
         first: dict[str, Any] = {}
-        for index in dict.fromkeys(order):
+        for index in order:
+            if not sizes[index]:
+                continue
             dtype = infos[index].dtype
             offsets[index] = (dtype, totals.get(dtype, 0))
             totals[dtype] = totals.get(dtype, 0) + sizes[index]

@@ -152,13 +152,17 @@ class NonBlocking(Progress):
             self.handed += 1
 
     def _wait(self, operation: str) -> None:
-        """Finish everything queued, in order: calls handed as they fit, a job with blocking calls when it is next."""
+        """Finish everything queued, in order: calls handed as they fit, a job with blocking calls when it is next.
+
+        Jobs run on the engine's own communicator: a refused window is
+        drained there, and the session's may be closed by then.
+        """
         while True:
             self._fill()
             if self._flight:
                 self.watched.wait([self._flight.popleft()], operation)
             elif self._pending:  # a job
-                self._pending.popleft().run(self.watched, operation)  # type: ignore[union-attr]
+                self._pending.popleft().run(self.comm, operation)  # type: ignore[union-attr]
             else:
                 return
 
@@ -167,7 +171,7 @@ class NonBlocking(Progress):
         self._fill(limit=handed)
         pending, self._pending = self._pending, deque()
         self._wait(operation)
-        for work in pending:
+        for work in pending:  # after the agreement, on the session's communicator: watched
             if isinstance(work, Job):
                 work.run(self.watched, operation)
             else:

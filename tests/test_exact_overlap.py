@@ -178,3 +178,83 @@ def test_a_slot_too_wide_for_int64_is_one_error_everywhere_then_the_next_window_
         dp.reduce(local_weight=1)
         mean = np.float32(sum(range(1, comm.size + 1)) / comm.size)  # the global weight is the world size
         assert (model.p.grad.numpy() == mean).all() and (model.q.grad == 1).all()
+
+
+def test_join_with_uneven_shards_gives_one_process_bits(comm: MPI.Comm, mode: str) -> None:
+    """Rank r has windows 0 .. W-1-r; window w's 12 micro-batches are spread over the ranks that still have data."""
+    windows = comm.size + 1
+
+    def mine(rank: int, size: int, w: int) -> list[int]:
+        active = [r for r in range(size) if w < windows - r]
+        return [i for i in range(COUNT) if i % len(active) == active.index(rank)] if rank in active else []
+
+    def run(c: MPI.Comm, overlap: Any) -> str:
+        torch.manual_seed(0)
+        lang = Language()
+        model = CharLM(dim=16, layers=1, heads=2, context=24)
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            with mpidp.torch.DataParallel(model, c, exact=True, overlap=overlap, **SMALL) as dp:
+                shard_of = range(windows - c.rank) if c.size > 1 else range(windows)
+                for w in dp.join(shard_of):
+                    tokens, here = 0, [] if w is None else (mine(c.rank, comm.size, w) if c.size > 1 else list(range(COUNT)))
+                    for j, i in enumerate(here):
+                        last = j == len(here) - 1
+                        x, y = batch(np.random.default_rng([w, i]), lang, 2, 24)
+                        with nullcontext() if last or not overlap else dp.no_sync():
+                            F.cross_entropy(model(x).view(-1, VOCAB), y.view(-1), ignore_index=IGNORE, reduction="sum").backward()
+                        if not last:
+                            dp.fold()
+                        tokens += int((y != IGNORE).sum())
+                    dp.reduce(local_weight=tokens)
+                    opt.step()
+                    dp.zero_grad()
+        finally:
+            torch.set_num_threads(threads)
+        return hashlib.sha256(b"".join(p.detach().numpy().tobytes() for _, p in sorted(model.named_parameters()))).hexdigest()
+
+    assert run(comm, mode) == run(MPI.COMM_SELF, False)
+
+
+def test_another_operation_between_backward_and_reduce_keeps_the_bits(comm: MPI.Comm, mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """verify_replicas() after the last backward ends the window's buckets; reduce sums them again, the same bits."""
+    verify = mpidp.torch.DataParallel.reduce
+
+    def interrupted(self: Any, *args: Any, **kwargs: Any) -> int:
+        self.verify_replicas()
+        return verify(self, *args, **kwargs)
+
+    expected = train(MPI.COMM_SELF)
+    monkeypatch.setattr(mpidp.torch.DataParallel, "reduce", interrupted)
+    with counted(monkeypatch) as ways:
+        assert train(comm, overlap=mode) == expected
+    assert ways.again == 0 and ways.buckets > 0
+
+
+def test_close_after_backward_without_reduce_finishes_the_buckets(comm: MPI.Comm, mode: str) -> None:
+    model = Scaled()
+    dp = mpidp.torch.DataParallel(model, comm, exact=True, overlap=mode, **SMALL)
+    with dp.no_sync():
+        model(torch.ones(3000)).backward()
+    dp.fold()
+    model(torch.full((3000,), 2.0)).backward()  # its hooks start the buckets
+    dp.close()  # every rank: the buckets finish, nothing waits
+    comm.Barrier()
+    with pytest.raises(ContractError, match="closed"):
+        dp.reduce(local_weight=1)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_reduce_on_one_rank_while_the_others_close_is_one_error_everywhere(comm: MPI.Comm, mode: str) -> None:
+    import time
+
+    model = Scaled()
+    dp = mpidp.torch.DataParallel(model, comm, exact=True, overlap=mode, **SMALL)
+    model(torch.full((3000,), 2.0)).backward()  # every rank: its buckets' jobs are queued
+    start = time.monotonic()
+    call = (lambda: dp.reduce(local_weight=1)) if comm.rank == 0 else dp.close
+    message = same_error_everywhere(comm, call, ContractError, "ranks are in different mpidp operations: rank 0 in reduce, rank 1 in close")
+    assert time.monotonic() - start < 5, message
+    dp.close()  # idempotent

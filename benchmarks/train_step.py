@@ -16,6 +16,8 @@ weights and its own AdamW; one thread per rank:
   ``dp.reduce(local_weight=tokens)`` after backward, ``dp.zero_grad()``;
 * ``mpidp_readme``: the README's loop as it is: ``DataParallel(model, comm)``
   with every default, ``opt.zero_grad()``;
+* ``mpidp_exact``, ``mpidp_exact_thread``: ``exact=True`` (integer sums,
+  docs/reproducibility.md), plain and with ``overlap="thread"``;
 * ``mpidp_overlap``: the same with ``overlap=True`` (auto: the mode it
   picks is recorded as ``overlap_mode``): buckets reduced while backward
   runs, finished by ``reduce``;
@@ -87,12 +89,12 @@ import mpidp.torch
 
 COMM = MPI.COMM_WORLD
 MIB = 1 << 20
-VARIANTS = ("local", "mpidp", "mpidp_readme", "mpidp_overlap", "mpidp_hooks", "mpidp_thread", "mpidp_thread_weight", "ddp_gloo", "horovod")
+VARIANTS = ("local", "mpidp", "mpidp_readme", "mpidp_exact", "mpidp_exact_thread", "mpidp_overlap", "mpidp_hooks", "mpidp_thread", "mpidp_thread_weight", "ddp_gloo", "horovod")
 #: ``bucket_bytes=`` of the overlapped variants (--bucket-bytes; None: the default, ``chunk_bytes``)
 BUCKET_BYTES: list[int | None] = [None]
 #: the ``overlap=`` argument of each mpidp variant
 OVERLAP: dict[str, bool | str] = {
-    "mpidp": False, "mpidp_readme": False, "mpidp_overlap": True, "mpidp_hooks": "hooks", "mpidp_thread": "thread", "mpidp_thread_weight": "thread",
+    "mpidp": False, "mpidp_readme": False, "mpidp_exact": False, "mpidp_exact_thread": "thread", "mpidp_overlap": True, "mpidp_hooks": "hooks", "mpidp_thread": "thread", "mpidp_thread_weight": "thread",
 }
 
 
@@ -313,7 +315,8 @@ class Variant:
         self.reduce_after: Callable[[int], None] = lambda weight: None
         if name in OVERLAP:
             flat = name != "mpidp_readme"  # the README's loop keeps every default
-            self.dp = mpidp.torch.DataParallel(model, flat_parameters=flat, overlap=OVERLAP[name], bucket_bytes=BUCKET_BYTES[0])
+            exact = name.startswith("mpidp_exact")  # the exact reduction (one micro-batch per window: reduce measures it)
+            self.dp = mpidp.torch.DataParallel(model, flat_parameters=flat, overlap=OVERLAP[name], bucket_bytes=BUCKET_BYTES[0], exact=exact)
             self.mode = self.dp.overlap or "off"  # which mode overlap=True picked
             self.reduce_after = lambda weight: self.dp.reduce(local_weight=weight)
         elif name == "ddp_gloo":

@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "benchmarks" / "train_step.py"
 MPIEXEC = str(Path(sys.executable).with_name("mpiexec"))
 TIMEOUT = 240
-VARIANTS = {"local", "mpidp", "mpidp_readme", "mpidp_overlap", "mpidp_hooks", "mpidp_thread", "mpidp_thread_weight", "ddp_gloo", "horovod"}
+VARIANTS = {"local", "mpidp", "mpidp_readme", "mpidp_exact", "mpidp_exact_thread", "mpidp_overlap", "mpidp_hooks", "mpidp_thread", "mpidp_thread_weight", "ddp_gloo", "horovod"}
 
 pytestmark = pytest.mark.skipif(MPI.COMM_WORLD.Get_size() > 1, reason="starts its own MPI job")
 
@@ -60,6 +60,7 @@ def test_quick_run_times_every_variant_in_parts(tmp_path: Path) -> None:
             assert len(r["samples"]) == result["meta"]["steps"]
             assert r["step"] >= r["forward_backward"]
         assert m["variants"]["mpidp_thread"]["overlap_mode"] == "thread" and m["variants"]["mpidp_hooks"]["overlap_mode"] == "hooks"
+        assert m["variants"]["mpidp_exact_thread"]["overlap_mode"] == "thread" and m["variants"]["mpidp_exact"]["overlap_mode"] == "off"
         spare = len(os.sched_getaffinity(0)) >= 2 * 2  # 2 ranks, each 1 torch thread + a communication thread
         assert m["variants"]["mpidp_overlap"]["overlap_mode"] == ("thread" if spare else "off")  # no core to spare: the plain path
         assert m["variants"]["mpidp"]["overlap_mode"] == "off"

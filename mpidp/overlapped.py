@@ -13,6 +13,12 @@ raise the same ContractError instead of waiting for its part of a bucket.
 check locally, finish what may be finished before the agreement, agree once,
 sum the tail in place, and leave ``sum / global_weight`` in the send views.
 
+In an exact session (``exact=True``) a bucket is a job of
+:mod:`mpidp.exact_buckets` instead of float32 calls, the last bucket too:
+its ranks agree on its scales and sum integers before the window's
+agreement; afterwards the sums are converted into the send views, or the
+window is reduced again on the plain exact path where they cannot stand.
+
 A slot finished twice in a window (a parameter used twice under reentrant
 checkpointing, a second backward outside ``no_sync``) and a gradient the
 adapter reports changed after its hook are summed again after backward:

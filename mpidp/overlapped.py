@@ -236,6 +236,10 @@ class Overlapped:
         """Let the engine begin what is queued before the caller's own work (local; the thread's last bucket)."""
         self._engine.handoff()
 
+    def quiet(self) -> None:
+        """Wait until no bucket is being read by the engine (local): before the folds or the send buffer change (``fold``)."""
+        self._engine.quiet()
+
     def _flush(self) -> None:
         if self._closed:
             raise ContractError("this DataParallel is closed")

@@ -103,6 +103,9 @@ class Progress:
         """Finish what may be finished before the window's agreement; return this rank's error, if any."""
         return None
 
+    def quiet(self) -> None:
+        """Wait until nothing queued runs on its own any more (local; failures are left for :meth:`settle`)."""
+
     def finish(self, handed: int, operation: str) -> None:
         """Finish every queued call after a successful agreement; ``handed`` is the most any rank handed to MPI."""
 
@@ -268,6 +271,12 @@ class CommThread(Progress):
         with cond:
             while self._thread is not None and (len(pending) > 1 or (pending and not self._busy)):
                 cond.wait()
+
+    def quiet(self) -> None:
+        """Wait until the thread has run every queued call or job, or stopped (it reads the send buffer and the folds)."""
+        with self._cond:
+            while (self._pending or self._busy) and self._thread is not None:
+                self._cond.wait()
 
     def settle(self, operation: str) -> str | None:
         """Wait until the thread has summed every queued call; sum what a failed thread left, here; its failure."""

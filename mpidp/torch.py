@@ -252,6 +252,8 @@ class DataParallel:
         error at the next :meth:`reduce`, on every rank.
         """
         params = self._refresh()
+        if self._overlap is not None:  # a backward outside no_sync started buckets: they read .grad and the folds
+            self._overlap.quiet()
         grads = {
             h: g if g.layout == torch.strided else g.to_dense()
             for h in self._core.trainable

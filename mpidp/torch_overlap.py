@@ -188,6 +188,10 @@ class Overlap:
                 self.running, self.error = False, None
                 self.seen = [None] * len(self.params)
 
+    def quiet(self) -> None:
+        """Before a fold: let the communication thread finish the buckets it reads (a backward outside ``no_sync``)."""
+        self.owner.quiet()
+
     @contextmanager
     def no_sync(self) -> Iterator[None]:
         self.paused += 1

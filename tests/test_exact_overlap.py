@@ -23,6 +23,7 @@ from conftest import first_ranks, same_error_everywhere
 from mpi4py import MPI
 
 import mpidp.core
+import mpidp.exact
 import mpidp.exact_buckets
 import mpidp.torch
 from mpidp import ContractError
@@ -68,7 +69,10 @@ def spread_evenly(rank: int, size: int) -> list[int]:
     return list(shard(COUNT, rank, size))
 
 
-def train(comm: MPI.Comm, overlap: Any = False, steps: int = 2, spread: Callable[[int, int], list[int]] = spread_evenly, sync_each: bool = False) -> str:
+def train(
+    comm: MPI.Comm, overlap: Any = False, steps: int = 2, spread: Callable[[int, int], list[int]] = spread_evenly, sync_each: bool = False,
+    options: dict[str, int] = SMALL,
+) -> str:
     """A small transformer, AdamW, ``steps`` windows of the same 12 micro-batches over ``comm``; its parameters' hash.
 
     With overlap, every backward but the last of a window runs under
@@ -82,7 +86,7 @@ def train(comm: MPI.Comm, overlap: Any = False, steps: int = 2, spread: Callable
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        with mpidp.torch.DataParallel(model, comm, exact=True, overlap=overlap, **SMALL) as dp:
+        with mpidp.torch.DataParallel(model, comm, exact=True, overlap=overlap, **options) as dp:
             for step in range(steps):
                 mine, tokens = spread(dp.rank, dp.world_size), 0
                 for j, i in enumerate(mine):
@@ -258,3 +262,29 @@ def test_a_reduce_on_one_rank_while_the_others_close_is_one_error_everywhere(com
     message = same_error_everywhere(comm, call, ContractError, "ranks are in different mpidp operations: rank 0 in reduce, rank 1 in close")
     assert time.monotonic() - start < 5, message
     dp.close()  # idempotent
+
+
+def test_one_micro_batch_per_rank_folded_after_a_synced_backward_keeps_the_bits(
+    comm: MPI.Comm, mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each rank's only micro-batch runs outside no_sync and is folded at once, while the thread may still sum its one
+    bucket. Held up here (the bucket packs late; the fold starts a little late and zeroes .grad late), the bucket would
+    read the micro-batch twice, in the folds and in .grad, on facts that still agree: fold waits for the bucket first."""
+    import time
+
+    expected = train(MPI.COMM_SELF, spread=lambda rank, size: list(range(comm.size)))
+    span, fold = mpidp.exact_buckets.ExactBuckets.span, mpidp.core.DataParallel.fold
+
+    def late_pack(self: Any, k: int) -> tuple[int, int]:
+        time.sleep(0.1)  # between the bucket's exchange and its pack
+        return span(self, k)
+
+    def late_fold(self: Any, grads: Any) -> None:
+        time.sleep(0.03)
+        fold(self, grads)
+        time.sleep(0.3)  # before .grad is zeroed
+
+    monkeypatch.setattr(mpidp.exact_buckets.ExactBuckets, "span", late_pack)
+    monkeypatch.setattr(mpidp.core.DataParallel, "fold", late_fold)
+    one_bucket = {"bucket_bytes": 1 << 30, "chunk_bytes": 4096}
+    assert train(comm, overlap=mode, spread=lambda rank, size: [rank], sync_each=True, options=one_bucket) == expected

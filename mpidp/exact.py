@@ -112,9 +112,13 @@ def _span(top: int, quantum: int, count: int) -> int:
 
 
 class Stage(NamedTuple):
-    """The chunk buffers of an exact window: the int64 send chunk, this rank's summed share, the float32 results."""
+    """The chunk buffers of an exact window: two int64 send chunks (used in turns), this rank's summed share, the float32 results.
 
-    send: np.ndarray
+    Packing into the chunk the other ranks read in the previous call made
+    the pack 20-30% slower at 2 ranks (its cache lines were theirs).
+    """
+
+    send: tuple[np.ndarray, np.ndarray]
     shard: np.ndarray
     floats: np.ndarray
 
@@ -227,8 +231,9 @@ class Accumulator:
 
     def stage(self, chunk: int, size: int) -> Stage:
         """The chunk buffers, made on first use: ``chunk`` int64 values, a multiple of ``size``."""
-        if self._stage is None or self._stage.send.size != chunk:
-            self._stage = Stage(np.empty(chunk, np.int64), np.empty(chunk // size, np.int64), np.empty(chunk, np.float32))
+        if self._stage is None or self._stage.send[0].size != chunk:
+            send = (np.empty(chunk, np.int64), np.empty(chunk, np.int64))
+            self._stage = Stage(send, np.empty(chunk // size, np.int64), np.empty(chunk, np.float32))
         return self._stage
 
     def pack(self, lo: int, hi: int, facts: Sequence[Facts], out: np.ndarray) -> None:

@@ -155,13 +155,13 @@ def reduce(
     collectives: ``chunk`` and the slots are agreed facts.
     """
     c = max(size, chunk // size * size)
-    stage = acc.stage(c, size)
+    stage = acc.stage(c, size)  # two send chunks in turns: a chunk the other ranks just read is not packed into again
     later: dict[int, np.ndarray] = {}
     region = _region(acc, targets)
-    for lo in range(0, acc.total, c):
+    for k, lo in enumerate(range(0, acc.total, c)):
         hi = min(lo + c, acc.total)
         width = -(-(hi - lo) // size) * size
-        send, part = stage.send[:width], width // size
+        send, part = stage.send[k % 2][:width], width // size
         direct = region is not None and lo + width <= acc.total  # gathered straight into the targets
         if weighted:
             acc.pack(lo, hi, facts, send[: hi - lo])

@@ -84,20 +84,21 @@ class BucketJob(Job):
         self.k = k
         self.views = views
         self.measured: list[exact.Measured] | None = None
+        self.rows: np.ndarray | None = None  # every rank's words, once exchanged
         self.calls: list[tuple[int, int]] | None = None  # the Allreduce calls left, once packed
         self.done = 0
 
     def run(self, comm: Any, operation: str) -> None:
         owner, k = self.owner, self.k
         slots = owner.members[k]
-        if self.measured is None:  # the exchange: every rank's words of the bucket's slots
-            measured = [exact.measured(v) for v in self.views]
-            words = np.array([owner.acc.word(s, m) for s, m in zip(slots, measured)], np.uint64)
-            rows = comm.Allgather(words, f"{operation}: the exact bucket's scales")
-            for j, s in enumerate(slots):
-                owner.facts[s] = exact.Facts([int(w) for w in rows[:, j]])
-            self.measured = measured
+        if self.rows is None:  # the exchange: every rank's words of the bucket's slots (kept at once: made once)
+            self.measured = [exact.measured(v) for v in self.views]
+            words = np.array([owner.acc.word(s, m) for s, m in zip(slots, self.measured)], np.uint64)
+            self.rows = comm.Allgather(words, f"{operation}: the exact bucket's scales")
         if self.calls is None:  # the same decision on every rank: the facts are agreed
+            assert self.rows is not None and self.measured is not None
+            for j, s in enumerate(slots):
+                owner.facts[s] = exact.Facts([int(w) for w in self.rows[:, j]])
             facts = [owner.facts[s] for s in slots]
             lo, hi = owner.span(k)
             if any(f is None or f.special or f.overflow for f in facts):

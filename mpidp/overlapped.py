@@ -369,7 +369,7 @@ class Overlapped:
         self._closed = True
         refused: ContractError | None = None
         try:
-            if self._broken is None and len(self._state) > 1:
+            if self._broken is None and self._last > 0:  # a bucket can start before the agreement (exact: even a sole one)
                 if self._opened:  # this rank's buckets are in flight: every rank finishes them (the buckets' communicator)
                     if self._refused is None or self._owed:
                         self._drain("close")

@@ -251,11 +251,12 @@ def test_close_after_backward_without_reduce_finishes_the_buckets(comm: MPI.Comm
 
 
 @pytest.mark.mpi(min_size=2)
-def test_a_reduce_on_one_rank_while_the_others_close_is_one_error_everywhere(comm: MPI.Comm, mode: str) -> None:
+@pytest.mark.parametrize("bucket_bytes", [8192, 1 << 30])  # several buckets; one alone, which starts before the agreement too
+def test_a_reduce_on_one_rank_while_the_others_close_is_one_error_everywhere(comm: MPI.Comm, mode: str, bucket_bytes: int) -> None:
     import time
 
     model = Scaled()
-    dp = mpidp.torch.DataParallel(model, comm, exact=True, overlap=mode, **SMALL)
+    dp = mpidp.torch.DataParallel(model, comm, exact=True, overlap=mode, bucket_bytes=bucket_bytes, chunk_bytes=4096)
     model(torch.full((3000,), 2.0)).backward()  # every rank: its buckets' jobs are queued
     start = time.monotonic()
     call = (lambda: dp.reduce(local_weight=1)) if comm.rank == 0 else dp.close
@@ -288,3 +289,21 @@ def test_one_micro_batch_per_rank_folded_after_a_synced_backward_keeps_the_bits(
     monkeypatch.setattr(mpidp.core.DataParallel, "fold", late_fold)
     one_bucket = {"bucket_bytes": 1 << 30, "chunk_bytes": 4096}
     assert train(comm, overlap=mode, spread=lambda rank, size: [rank], sync_each=True, options=one_bucket) == expected
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("bucket_bytes", [8192, 1 << 30])
+def test_ranks_that_close_before_any_backward_meet_an_exact_overlapped_reduce(comm: MPI.Comm, mode: str, bucket_bytes: int) -> None:
+    import time
+
+    model = Scaled()
+    dp = mpidp.torch.DataParallel(model, comm, exact=True, overlap=mode, bucket_bytes=bucket_bytes, chunk_bytes=4096)
+    start = time.monotonic()
+
+    def rank0() -> None:
+        model(torch.full((3000,), 2.0)).backward()  # its hooks open the window
+        dp.reduce(local_weight=1)
+
+    message = same_error_everywhere(comm, rank0 if comm.rank == 0 else dp.close, ContractError, "rank 0 in reduce", "rank 1 in close")
+    assert time.monotonic() - start < 5, message
+    dp.close()

@@ -381,6 +381,9 @@ class DataParallel:
             self._core.close()
         elif self._overlap.owner.opened() and not self._overlap.owner.owed():  # agree first (a rank in reduce learns it), then finish the buckets
             try:
+                # the buckets a backward that raised left unstarted go now, as they are: a rank in reduce may wait for
+                # them before its agreement (the thread sums every queued bucket first)
+                self._overlap.owner.interrupt()
                 self._core.close(then=self._overlap.close)
             finally:
                 self._overlap.close()  # idempotent; local where the session was closed already

@@ -75,3 +75,45 @@ def test_ranks_that_close_before_any_backward_meet_an_overlapped_reduce_at_once(
     assert time.monotonic() - start < 5, message
     assert dp._core.closed
     dp.close()  # idempotent, on every rank
+
+
+class _Boom(torch.autograd.Function):
+    """Identity forward; its backward raises on the last rank (after the layers above it finished theirs)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        if MPI.COMM_WORLD.rank == MPI.COMM_WORLD.size - 1:
+            raise RuntimeError("injected")
+        return g
+
+
+class _Three(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = (torch.nn.Linear(64, 64) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(torch.relu(self.b(_Boom.apply(self.a(x))))).sum()
+
+
+@pytest.mark.parametrize("exact", [False, True])
+@pytest.mark.parametrize("overlap", ["hooks", "thread"])
+def test_a_backward_that_raises_after_its_first_bucket_then_close_is_one_error_everywhere(
+    comm: MPI.Comm, overlap: str, exact: bool
+) -> None:
+    """The last rank's backward raises once a bucket opened the window; its ``with`` block closes while the others
+    reduce. Its unstarted buckets go before its close agreement: a thread summing the others' buckets waits for them."""
+    model = _Three()
+    start = time.monotonic()
+
+    def run() -> None:
+        with mpidp.torch.DataParallel(model, comm, overlap=overlap, exact=exact, bucket_bytes=8192, chunk_bytes=4096) as dp:
+            model(torch.ones(4, 64)).backward()
+            dp.reduce(local_weight=1)
+
+    message = same_error_everywhere(comm, run, ContractError, "rank 0 in reduce", f"rank {comm.size - 1} in close")
+    assert time.monotonic() - start < 10, message

@@ -192,12 +192,13 @@ def _region(acc: exact.Accumulator, targets: Sequence[Any]) -> np.ndarray | None
     tile the memory of the array returned, and a chunk's results can be
     gathered there in place (no copy-out pass).
     """
-    if not targets or any(t is None or t.dtype != np.float32 or not t.flags.c_contiguous or not t.flags.writeable for t in targets):
+    if not acc.total or any(t is None or t.dtype != np.float32 or not t.flags.c_contiguous or not t.flags.writeable for t in targets):
         return None
-    base = targets[0].ctypes.data
-    if any(t.ctypes.data != base + 4 * start or t.size != n for t, start, n in zip(targets, acc.starts, acc.sizes)):
+    first = acc.order[0]  # the first slot in slot space (empty slots come last: this one has values)
+    base = targets[first].ctypes.data - 4 * acc.starts[first]
+    if any(n and (t.ctypes.data != base + 4 * start or t.size != n) for t, start, n in zip(targets, acc.starts, acc.sizes)):
         return None
-    return np.lib.stride_tricks.as_strided(targets[0].reshape(-1), shape=(acc.total,), strides=(4,), writeable=True)
+    return np.lib.stride_tricks.as_strided(targets[first].reshape(-1), shape=(acc.total,), strides=(4,), writeable=True)
 
 
 def _write(acc: exact.Accumulator, lo: int, hi: int, floats: np.ndarray, targets: Sequence[Any], later: dict[int, np.ndarray]) -> None:

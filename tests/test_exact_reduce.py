@@ -173,11 +173,12 @@ def test_a_transformer_trained_with_adamw_has_one_hash_at_every_world_size(comm:
                 assert train(sub) == expected, f"rank {sub.rank} of {ranks}"
 
 
-def test_gradient_buffers_take_the_results_in_place_with_the_same_bits(comm: MPI.Comm, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("sizes", [[300 + 37 * i for i in range(20)], [10, 30000, 7]])  # the second: slot 0 not first in the flat storage
+def test_gradient_buffers_take_the_results_in_place_with_the_same_bits(comm: MPI.Comm, monkeypatch: pytest.MonkeyPatch, sizes: list[int]) -> None:
     """Issue 33 item 7: the Allgather writes straight into the flat gradient storage (no copy-out pass), bits unchanged."""
     import mpidp.exact_window
 
-    p = {f"p{i}": np.zeros(300 + 37 * i, np.float32) for i in range(20)}
+    p = {f"p{i}": np.zeros(n, np.float32) for i, n in enumerate(sizes)}
 
     def grads(i: int) -> dict[str, np.ndarray]:
         rng = np.random.default_rng(i)

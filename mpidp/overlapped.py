@@ -167,7 +167,7 @@ class Overlapped:
     def _queue_next(self, divisor: int | None) -> None:
         """Hand the next bucket to the engine: its calls, or (exact) its job."""
         k = self._queued
-        work: list[Work] = list(self._state.calls(k)) if self._exact is None else [self._exact.job(k, self.views(self._state.side))]
+        work: Sequence[Work] = self._state.calls(k) if self._exact is None else [self._exact.job(k, self.views(self._state.side))]
         self._engine.queue(work, divisor if self._exact is None else None)
         self._queued += 1
 

@@ -11,7 +11,7 @@ hold, the plain exact path again.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager, nullcontext
 from typing import Any
 
@@ -71,13 +71,14 @@ def spread_evenly(rank: int, size: int) -> list[int]:
 
 def train(
     comm: MPI.Comm, overlap: Any = False, steps: int = 2, spread: Callable[[int, int], list[int]] = spread_evenly, sync_each: bool = False,
-    options: dict[str, int] = SMALL,
+    options: dict[str, int] = SMALL, windows: Callable[[Any], Iterable[tuple[int | None, list[int]]]] | None = None,
 ) -> str:
     """A small transformer, AdamW, ``steps`` windows of the same 12 micro-batches over ``comm``; its parameters' hash.
 
     With overlap, every backward but the last of a window runs under
     ``no_sync`` and is folded; the last one's hooks start the buckets
     (``sync_each``: no ``no_sync``, every micro-batch folded, as a careless loop).
+    ``windows(dp)``, if given, yields each window's number and this rank's micro-batches instead.
     """
     torch.manual_seed(0)
     lang = Language()
@@ -87,8 +88,9 @@ def train(
     torch.set_num_threads(1)
     try:
         with mpidp.torch.DataParallel(model, comm, exact=True, overlap=overlap, **options) as dp:
-            for step in range(steps):
-                mine, tokens = spread(dp.rank, dp.world_size), 0
+            plan = windows(dp) if windows is not None else ((s, spread(dp.rank, dp.world_size)) for s in range(steps))
+            for step, mine in plan:
+                tokens = 0
                 for j, i in enumerate(mine):
                     last = j == len(mine) - 1 and not sync_each
                     x, y = batch(np.random.default_rng([step, i]), lang, 2, 24)
@@ -192,32 +194,15 @@ def test_join_with_uneven_shards_gives_one_process_bits(comm: MPI.Comm, mode: st
         active = [r for r in range(size) if w < windows - r]
         return [i for i in range(COUNT) if i % len(active) == active.index(rank)] if rank in active else []
 
+    def joined(c: MPI.Comm) -> Callable[[Any], Iterable[tuple[int | None, list[int]]]]:
+        def plan(dp: Any) -> Iterator[tuple[int | None, list[int]]]:
+            for w in dp.join(range(windows - c.rank) if c.size > 1 else range(windows)):
+                yield w, [] if w is None else (mine(c.rank, comm.size, w) if c.size > 1 else list(range(COUNT)))
+
+        return plan
+
     def run(c: MPI.Comm, overlap: Any) -> str:
-        torch.manual_seed(0)
-        lang = Language()
-        model = CharLM(dim=16, layers=1, heads=2, context=24)
-        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            with mpidp.torch.DataParallel(model, c, exact=True, overlap=overlap, **SMALL) as dp:
-                shard_of = range(windows - c.rank) if c.size > 1 else range(windows)
-                for w in dp.join(shard_of):
-                    tokens, here = 0, [] if w is None else (mine(c.rank, comm.size, w) if c.size > 1 else list(range(COUNT)))
-                    for j, i in enumerate(here):
-                        last = j == len(here) - 1
-                        x, y = batch(np.random.default_rng([w, i]), lang, 2, 24)
-                        with nullcontext() if last or not overlap else dp.no_sync():
-                            F.cross_entropy(model(x).view(-1, VOCAB), y.view(-1), ignore_index=IGNORE, reduction="sum").backward()
-                        if not last:
-                            dp.fold()
-                        tokens += int((y != IGNORE).sum())
-                    dp.reduce(local_weight=tokens)
-                    opt.step()
-                    dp.zero_grad()
-        finally:
-            torch.set_num_threads(threads)
-        return hashlib.sha256(b"".join(p.detach().numpy().tobytes() for _, p in sorted(model.named_parameters()))).hexdigest()
+        return train(c, overlap=overlap, windows=joined(c))
 
     assert run(comm, mode) == run(MPI.COMM_SELF, False)
 

@@ -178,7 +178,7 @@ class Accumulator:
 
     def fold(self, i: int, values: Any) -> None:
         """Add one micro-batch's gradient of slot ``i`` (a host array of any floating dtype; not modified)."""
-        x, e, bad = _measured(values)
+        x, e, bad = measured(values)
         self.folded[i] = True
         if bad is not None:
             self._keep(i, bad)
@@ -197,7 +197,7 @@ class Accumulator:
 
     def measure(self, i: int, values: Any) -> None:
         """Take the facts of slot ``i``'s last micro-batch, to be added by :meth:`reduce` (nothing added yet)."""
-        self.pending[i] = _measured(values)
+        self.pending[i] = measured(values)
 
     def word(self, i: int, measured: Measured | None = None) -> int:
         """Slot ``i``'s word of the window record: its folds and what was measured (or ``measured``, given)."""
@@ -282,11 +282,6 @@ _NOTHING: Measured = (_EMPTY32, None, None)
 
 
 def measured(values: Any) -> Measured:
-    """One micro-batch's gradient of a slot, measured: float32 values (inf and NaN zeroed), exponent, the inf and NaN (local)."""
-    return _measured(values)
-
-
-def _measured(values: Any) -> Measured:
     """A contiguous float32 view or copy of a host array (16-bit upcast exactly), inf and NaN zeroed; its exponent; the inf and NaN."""
     x = np.asarray(values)
     if x.dtype != np.float32 or not x.flags.c_contiguous:

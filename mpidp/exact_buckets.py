@@ -64,15 +64,11 @@ class ExactBuckets:
         a bucket was not summed or agreed on other facts than the window (the same on every rank: agreed facts only)."""
         if not all(self.summed) or any(f is None or f.key() != a.key() for f, a in zip(self.facts, agreed)):
             return False
-        k = exact.kernels()
+        acc = self.acc
         for s, here in enumerate(present):
             if here:
-                q, o = agreed[s].quantum, self.offset[s]
-                out = views[s].reshape(-1)
-                if q is None:
-                    out[...] = 0
-                else:
-                    k.unpack(self.ints[o : o + out.size], 2.0**q, float(global_weight), out)
+                start, o, n = acc.starts[s], self.offset[s], acc.sizes[s]
+                acc.unpack(start, start + n, agreed, self.ints[o : o + n], global_weight, views[s].reshape(-1))
         return True
 
 
@@ -112,4 +108,4 @@ class BucketJob(Job):
             a, b = self.calls[self.done]
             comm.Allreduce(owner.ints[a:b], f"{operation}: Allreduce (int64)")
             self.done += 1
-        owner.summed[k] = bool(self.calls) or owner.span(k)[0] == owner.span(k)[1]
+        owner.summed[k] = bool(self.calls) or not any(owner.acc.sizes[s] for s in slots)  # an empty bucket has nothing to sum

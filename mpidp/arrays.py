@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -185,7 +186,7 @@ def fingerprint(x: Any) -> tuple[Any, ...]:
 def current_device(backend: str) -> str:
     """Return the CUDA device that ``backend`` (torch or cupy) currently allocates on."""
     if backend == "torch":
-        import torch
+        torch = sys.modules["torch"]  # a torch array was handed in: torch is imported
 
         return f"cuda:{torch.cuda.current_device()}"
     import cupy
@@ -242,14 +243,14 @@ def view(x: Any) -> Any:
         t = x.detach()
         if t.device.type == "cpu":
             if str(t.dtype) == "torch.bfloat16":
-                import torch
+                torch = sys.modules["torch"]  # a torch array was handed in: torch is imported
 
                 return t.view(torch.int16).numpy().view(BFLOAT16)
             return t.numpy()
         import cupy
 
         if str(t.dtype) == "torch.bfloat16":  # through its bits: CuPy's DLPack import of bfloat16 is newer than its dtype
-            import torch
+            torch = sys.modules["torch"]  # a torch array was handed in: torch is imported
 
             return cupy.from_dlpack(t.view(torch.int16)).view(BFLOAT16)
         return cupy.from_dlpack(t)
@@ -260,7 +261,7 @@ def empty_like(x: Any) -> Any:
     """Return a new uninitialised array of ``x``'s backend, dtype, shape and device."""
     backend = _backend(x)
     if backend == "torch":
-        import torch
+        torch = sys.modules["torch"]  # a torch array was handed in: torch is imported
 
         return torch.empty_like(x, memory_format=torch.contiguous_format, requires_grad=False)
     if backend == "cupy":
@@ -281,7 +282,7 @@ def flat_zeros(like: Any, count: int) -> Any:
     """Return a new 1-D zero array of ``count`` elements, of ``like``'s backend, dtype and device."""
     backend = _backend(like)
     if backend == "torch":
-        import torch
+        torch = sys.modules["torch"]  # a torch array was handed in: torch is imported
 
         if like.device.type != "cpu":
             return torch.zeros(count, dtype=like.dtype, device=like.device)

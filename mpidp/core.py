@@ -40,7 +40,7 @@ class Facts(NamedTuple):
     root: int
     device: str
     timeout: float | None  # the watchdog's seconds (None: off)
-    exact: Any = None  # the session's exact sums (:class:`mpidp.exact_window.ExactWindow`; None: not exact)
+    exact: Any = None  # the session's exact sums (:class:`mpidp.exact.window.ExactWindow`; None: not exact)
 
 
 class DataParallel(Session):

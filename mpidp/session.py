@@ -18,9 +18,10 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from . import arrays, checks, exact_window, guard, layout, records
+from . import arrays, checks, guard, layout, records
 from .comm import Communicator
 from .errors import CollectiveError, ContractError, DataParallelError
+from .exact import window as exact_window
 from .packing import BCAST_OWN_BYTES, BCAST_SPLIT_BYTES, bcast_calls, plan, slot
 from .records import Frame, Setup, Window
 from .window import Cache, MissingGradientPolicy, Slots, Transport, check_replica

@@ -17,9 +17,10 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
-from . import arrays, exact, layout
+from . import arrays, layout
 from .casts import DEFAULT, Casts
 from .errors import ContractError
+from .exact import sums as exact
 from .packing import Call, Moves, Scatter, Slot, Step, plan, reduce_calls, run_steps, slot, steps
 from .records import U64_MAX, Window
 

@@ -1,4 +1,4 @@
-"""The house: which module may speak MPI, and imports run downward only (read from the sources, no MPI)."""
+"""The house: which module may speak MPI, and imports run downward only, between rooms and between packages (read from the sources, no MPI)."""
 
 from __future__ import annotations
 
@@ -8,27 +8,48 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "mpidp"
-#: every module's floor: a module imports only modules on lower floors
+#: every module's floor: a module imports only modules on lower floors. A package's ``__init__`` goes by
+#: the package's name (``exact``), a room in a package by its dotted name (``exact.sums``); the examples are users.
 FLOORS = {
-    "errors": 0, "arrays": 0, "kernels": 0,
-    "launch": 1, "casts": 1, "exact_kernels": 1,
-    "contract": 2, "packing": 2, "comm": 2, "exact": 2, "buckets": 2,
-    "layout": 3, "records": 3, "guard": 3, "progress": 3,
+    "errors": 0, "arrays": 0, "kernels": 0, "overlap": 0,
+    "launch": 1, "casts": 1, "exact.compiled": 1,
+    "contract": 2, "packing": 2, "comm": 2, "exact.sums": 2, "overlap.buckets": 2,
+    "exact": 2.5,
+    "layout": 3, "records": 3, "guard": 3, "overlap.progress": 3,
     "cuda": 3.5,  # the device room stands on the agreement it uses (select_device's), under checks and window
-    "exact_window": 4, "exact_buckets": 4,
+    "exact.window": 4, "overlap.exact_jobs": 4,
     "window": 4, "checks": 4,
     "session": 4.5,
     "core": 5,
-    "overlapped": 6,
-    "torch_overlap": 7, "torch_model": 7,
-    "torch": 8,
+    "overlap.owner": 6,
+    "torch.overlap": 7, "torch.model": 7,
+    "torch.adapter": 8,
+    "torch": 8.5,
     "__init__": 9,
 }
+#: the wings (packages) above the core's rooms, lowest first: a wing imports the core and the wings below it only,
+#: and the core's rooms import no wing but the exact sums (``exact``: the arithmetic of ``exact=True`` sessions)
+WINGS = ("exact", "overlap", "torch")
+
+
+def path(name: str) -> Path:
+    """The source file of module ``name`` (``core``, ``exact``, ``exact.sums``)."""
+    parts = name.split(".")
+    if (PACKAGE / parts[0]).is_dir():
+        return PACKAGE.joinpath(*parts[:-1], f"{parts[-1]}.py") if len(parts) > 1 else PACKAGE / name / "__init__.py"
+    return PACKAGE / f"{name}.py"
+
+
+def wing(name: str) -> str:
+    """The package that module ``name`` belongs to ("" for the core's rooms at the top)."""
+    first = name.split(".")[0]
+    return first if first in WINGS else ""
 
 
 def imports(name: str) -> tuple[set[str], set[str]]:
     """(top-level packages, mpidp modules) that module ``name`` imports, at run time or for type checking."""
-    tree = ast.parse((PACKAGE / f"{name}.py").read_text())
+    tree = ast.parse(path(name).read_text())
+    here = name.split(".")[:-1] if "." in name else ([name] if name in WINGS else [])
     outside, inside = set(), set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -36,15 +57,20 @@ def imports(name: str) -> tuple[set[str], set[str]]:
         elif isinstance(node, ast.ImportFrom):
             if node.level == 0:
                 outside.add((node.module or "").split(".")[0])
-            elif node.module:
-                inside.add(node.module.split(".")[0])
-            else:
-                inside |= {a.name for a in node.names}
+                continue
+            base = here[: len(here) - (node.level - 1)] + (node.module.split(".") if node.module else [])
+            for a in node.names:
+                room = ".".join([*base, a.name])
+                inside.add(room if room in FLOORS else ".".join(base))
     return outside, inside
 
 
 def test_every_module_has_a_floor() -> None:
-    assert sorted(p.stem for p in PACKAGE.glob("*.py")) == sorted(FLOORS)
+    found = {
+        ".".join(p.relative_to(PACKAGE).with_suffix("").parts).removesuffix(".__init__") or "__init__"
+        for p in PACKAGE.rglob("*.py") if "examples" not in p.relative_to(PACKAGE).parts
+    }
+    assert sorted(found) == sorted(FLOORS)
 
 
 @pytest.mark.parametrize("name", sorted(FLOORS))
@@ -54,26 +80,49 @@ def test_imports_run_downward_only(name: str) -> None:
     assert not upward, f"mpidp.{name} (floor {FLOORS[name]}) imports {upward}"
 
 
+@pytest.mark.parametrize("name", sorted(set(FLOORS) - {"__init__"}))
+def test_wings_import_the_core_and_lower_wings_only(name: str) -> None:
+    _, inside = imports(name)
+    mine = wing(name)
+    allowed = set(WINGS[: WINGS.index(mine) + 1]) if mine else {"exact"}
+    above = sorted(m for m in inside if wing(m) and wing(m) not in allowed)
+    assert not above, f"mpidp.{name} ({mine or 'core'}) imports a wing above it: {above}"
+
+
+@pytest.mark.parametrize("name", WINGS)
+def test_every_package_says_what_it_holds(name: str) -> None:
+    doc = ast.get_docstring(ast.parse(path(name).read_text()))
+    assert doc and len(doc.splitlines()[0]) > 20, f"mpidp/{name}/__init__.py needs a one-line docstring"
+
+
 @pytest.mark.parametrize("name", sorted(FLOORS))
 def test_only_comm_and_the_device_room_speak_mpi(name: str) -> None:
     outside, _ = imports(name)
     assert ("mpi4py" in outside) == (name in ("comm", "cuda")), name
 
 
+@pytest.mark.parametrize("name", sorted(FLOORS))
+def test_only_the_torch_package_imports_torch(name: str) -> None:
+    # the device room's select_device also makes PyTorch's device current, whether or not torch is imported yet;
+    # elsewhere a torch array handed in is reached through sys.modules
+    outside, _ = imports(name)
+    assert "torch" not in outside or wing(name) == "torch" or name == "cuda", f"mpidp.{name} imports torch"
+
+
 def test_comm_knows_no_device_framework() -> None:
     outside, _ = imports("comm")
     assert not outside & {"torch", "cupy"}
-    assert "cupy" not in (PACKAGE / "comm.py").read_text() and "torch" not in (PACKAGE / "comm.py").read_text()
+    assert "cupy" not in path("comm").read_text() and "torch" not in path("comm").read_text()
 
 
 def test_the_torch_adapter_only_translates() -> None:
-    _, inside = imports("torch")
+    _, inside = imports("torch.adapter")
     # no comm, guard or records of its own; its overlapped path is a room of the adapter
-    assert inside <= {"arrays", "core", "checks", "contract", "packing", "torch_model", "torch_overlap"}, inside
-    assert imports("torch_overlap")[1] <= {"overlapped"}  # the owner only (it reaches autograd's engine as DDP does: private to torch)
+    assert inside <= {"arrays", "core", "checks", "contract", "packing", "torch.model", "torch.overlap"}, inside
+    assert imports("torch.overlap")[1] <= {"overlap.owner"}  # the owner only (it reaches autograd's engine as DDP does: private to torch)
     private = [
         ast.unparse(node)
-        for node in ast.walk(ast.parse((PACKAGE / "torch.py").read_text()))
+        for node in ast.walk(ast.parse(path("torch.adapter").read_text()))
         if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
         and not (isinstance(node.value, ast.Name) and node.value.id == "self") and node.attr != "_replace"
     ]
@@ -83,12 +132,12 @@ def test_the_torch_adapter_only_translates() -> None:
 # ------------------------------------------------------------------ limits (issue 31)
 
 #: the overlapped window's rooms: their limits hold without exception
-OVERLAP_WING = ("buckets", "progress", "overlapped", "torch_overlap")
+OVERLAP_WING = ("overlap.buckets", "overlap.progress", "overlap.owner", "torch.overlap")
 
 
 def functions(name: str) -> list[tuple[str, int]]:
     """(name, lines) of every function of module ``name``, docstring included."""
-    tree = ast.parse((PACKAGE / f"{name}.py").read_text())
+    tree = ast.parse(path(name).read_text())
     return [
         (node.name, node.end_lineno - node.lineno + 1)  # type: ignore[operator]
         for node in ast.walk(tree) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
@@ -97,7 +146,7 @@ def functions(name: str) -> list[tuple[str, int]]:
 
 @pytest.mark.parametrize("name", sorted(FLOORS))
 def test_rooms_hold_500_lines_and_functions_50(name: str) -> None:
-    lines = len((PACKAGE / f"{name}.py").read_text().splitlines())
+    lines = len(path(name).read_text().splitlines())
     assert lines <= 500, f"mpidp.{name}: {lines} lines"
     long = [(f, n) for f, n in functions(name) if n > 50]
     assert not long, f"mpidp.{name}: functions over 50 lines: {long}"
@@ -116,15 +165,15 @@ def conditions(name: str) -> list[tuple[str, ast.expr]]:
                 out.extend((where, v) for v in child.values)
             visit(child, inner)
 
-    visit(ast.parse((PACKAGE / f"{name}.py").read_text()), "")
+    visit(ast.parse(path(name).read_text()), "")
     return out
 
 
 #: where the mode is read from the user or chosen, once: validating ``overlap=`` and the owner's creation
-CHOOSING = {("torch", "_overlap_problem"), ("overlapped", "_choose")}
+CHOOSING = {("torch.adapter", "_overlap_problem"), ("overlap.owner", "_choose")}
 
 
-@pytest.mark.parametrize("name", ["buckets", "core", "overlapped", "torch", "torch_overlap"])  # every room overlap reaches
+@pytest.mark.parametrize("name", ["overlap.buckets", "core", "overlap.owner", "torch.adapter", "torch.overlap"])  # every room overlap reaches
 def test_no_branch_on_the_overlap_mode_outside_the_progress_engines(name: str) -> None:
     branches = []
     for where, test in conditions(name):
@@ -139,10 +188,13 @@ def test_no_branch_on_the_overlap_mode_outside_the_progress_engines(name: str) -
     assert not branches, f"mpidp.{name} branches on the overlap mode: {branches}"
 
 
-@pytest.mark.parametrize("name", sorted(set(FLOORS) - {"buckets", "overlapped"}))
+@pytest.mark.parametrize("name", sorted(set(FLOORS) - {"overlap.buckets", "overlap.owner"}))
 def test_the_bucket_state_is_used_by_its_owner_only(name: str) -> None:
-    tree = ast.parse((PACKAGE / f"{name}.py").read_text())
-    imported = {a.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module == "buckets" for a in node.names}
+    tree = ast.parse(path(name).read_text())
+    imported = {
+        a.name for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[-1] == "buckets" for a in node.names
+    }
     assert "Buckets" not in imported, f"mpidp.{name} imports the bucket state"
     reached = [ast.unparse(node) for node in ast.walk(tree) if isinstance(node, ast.Attribute) and node.attr in ("_state", "_engine")]
     assert not reached, f"mpidp.{name} reaches into the owner's bucket state or engine: {reached}"

@@ -32,7 +32,7 @@ from numba import njit
 
 import mpidp
 from mpidp import exact
-from mpidp.exact_kernels import maxabs, pack
+from mpidp.exact.compiled import maxabs, pack
 
 COMM = MPI.COMM_WORLD
 

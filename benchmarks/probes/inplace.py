@@ -6,7 +6,7 @@ Run it under MPI (every rank runs the same command)::
     mpiexec -n 4 python -m mpi4py benchmarks/probes/inplace.py --mib 16 --reps 5
 
 Sums ``--mib`` MiB of float32 in calls of ``--chunk-mib`` MiB, each call
-followed by its division by the global weight (as :mod:`mpidp.overlapped`'s
+followed by its division by the global weight (as :mod:`mpidp.overlap.owner`'s
 calls are), two ways in turns: in place (``MPI.IN_PLACE``, what ``reduce``
 does with the last bucket once the window is agreed) and from a send buffer
 into a receive buffer (what the buckets do while backward runs, so that the

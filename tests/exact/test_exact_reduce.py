@@ -154,7 +154,7 @@ def test_a_transformer_trained_with_adamw_has_one_hash_at_every_world_size(comm:
 @pytest.mark.parametrize("sizes", [[300 + 37 * i for i in range(20)], [10, 30000, 7]])  # the second: slot 0 not first in the flat storage
 def test_gradient_buffers_take_the_results_in_place_with_the_same_bits(comm: MPI.Comm, monkeypatch: pytest.MonkeyPatch, sizes: list[int]) -> None:
     """Issue 33 item 7: the Allgather writes straight into the flat gradient storage (no copy-out pass), bits unchanged."""
-    import mpidp.exact_window
+    import mpidp.exact.window
 
     p = {f"p{i}": np.zeros(n, np.float32) for i, n in enumerate(sizes)}
 
@@ -177,8 +177,8 @@ def test_gradient_buffers_take_the_results_in_place_with_the_same_bits(comm: MPI
 
     expected = run(MPI.COMM_SELF, False)
     copies: list[int] = []
-    write = mpidp.exact_window._write
-    monkeypatch.setattr(mpidp.exact_window, "_write", lambda *a: copies.append(1) or write(*a))
+    write = mpidp.exact.window._write
+    monkeypatch.setattr(mpidp.exact.window, "_write", lambda *a: copies.append(1) or write(*a))
     assert run(comm, False) == expected
     apart = len(copies)
     assert run(comm, True) == expected

@@ -296,7 +296,7 @@ def measured(values: Any) -> Measured:
 
 
 class _NumPy:
-    """The passes of :mod:`mpidp.exact_kernels` in NumPy: the same bits, more passes."""
+    """The passes of :mod:`mpidp.exact.compiled` in NumPy: the same bits, more passes."""
 
     @staticmethod
     def maxabs(bits: np.ndarray) -> tuple[int, bool]:
@@ -325,11 +325,11 @@ _kernels: Any = None
 
 
 def kernels() -> Any:
-    """The compiled passes (:mod:`mpidp.exact_kernels`), or their NumPy forms where numba is not installed."""
+    """The compiled passes (:mod:`mpidp.exact.compiled`), or their NumPy forms where numba is not installed."""
     global _kernels
     if _kernels is None:
         try:
-            from . import exact_kernels
+            from . import compiled as exact_kernels
 
             _kernels = exact_kernels
         except ImportError:

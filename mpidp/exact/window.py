@@ -15,9 +15,10 @@ from typing import Any
 
 import numpy as np
 
-from . import arrays, exact
-from .errors import ContractError
-from .records import Window
+from .. import arrays
+from ..errors import ContractError
+from ..records import Window
+from . import sums as exact
 
 __all__ = ["ExactWindow", "reduce"]
 

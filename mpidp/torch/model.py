@@ -15,9 +15,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import arrays, core
-from .checks import ByteRegions
-from .contract import Region
+from .. import arrays, core
+from ..checks import ByteRegions
+from ..contract import Region
 
 __all__ = ["buffers", "bytes_of", "check_module", "flatten", "into_flat", "refused", "regions"]
 

@@ -1,9 +1,9 @@
 """The owner of an overlapped window: bucket order, communicator, progress engine, and the window's steps.
 
-An adapter (:mod:`mpidp.torch_overlap`) fills a slot's part of the send
+An adapter (:mod:`mpidp.torch.overlap`) fills a slot's part of the send
 buffer as backward finishes its gradient and calls :meth:`Overlapped.ready`:
 complete buckets are handed, strictly in order, to the progress engine
-(:mod:`mpidp.progress`, chosen once at creation), so that every rank issues
+(:mod:`mpidp.overlap.progress`, chosen once at creation), so that every rank issues
 the same calls in the same order however its backward went. Before the
 window's first bucket call the ranks exchange one small record
 (:class:`mpidp.records.Open`, with the weights given before backward): a
@@ -14,7 +14,7 @@ check locally, finish what may be finished before the agreement, agree once,
 sum the tail in place, and leave ``sum / global_weight`` in the send views.
 
 In an exact session (``exact=True``) a bucket is a job of
-:mod:`mpidp.exact_buckets` instead of float32 calls, the last bucket too:
+:mod:`mpidp.overlap.exact_jobs` instead of float32 calls, the last bucket too:
 its ranks agree on its scales and sum integers before the window's
 agreement; afterwards the sums are converted into the send views, or the
 window is reduced again on the plain exact path where they cannot stand.
@@ -34,12 +34,12 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from . import comm as _mpi
-from . import guard, records
+from .. import comm as _mpi
+from .. import guard, records
+from ..core import DataParallel
+from ..errors import CollectiveError, ContractError
 from .buckets import Buckets, divide
-from .core import DataParallel
-from .errors import CollectiveError, ContractError
-from .exact_buckets import ExactBuckets
+from .exact_jobs import ExactBuckets
 from .progress import CommThread, NonBlocking, Progress, Work
 
 __all__ = ["Outcome", "Overlapped", "Session"]

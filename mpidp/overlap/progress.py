@@ -42,11 +42,11 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from ..errors import CollectiveError
 from .buckets import Call, divide
-from .errors import CollectiveError
 
 if TYPE_CHECKING:
-    from .comm import Communicator
+    from ..comm import Communicator
 
 __all__ = ["DEPTH", "CommThread", "Job", "NonBlocking", "Progress"]
 
@@ -60,7 +60,7 @@ THREAD_OPERATION = "reduce: Allreduce (communication thread)"
 
 
 class Job:
-    """A bucket's work of more than one call, in order, with blocking calls (:mod:`mpidp.exact_buckets`).
+    """A bucket's work of more than one call, in order, with blocking calls (:mod:`mpidp.overlap.exact_jobs`).
 
     :meth:`run` may be called again after it raised (not an MPI error): it
     goes on from the first call it had not made, so that every rank makes

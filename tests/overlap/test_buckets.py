@@ -1,10 +1,10 @@
-"""The overlapped window's pure bucket state (mpidp.buckets): no MPI, no threads."""
+"""The overlapped window's pure bucket state (mpidp.overlap.buckets): no MPI, no threads."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from mpidp.buckets import Buckets, divide
+from mpidp.overlap.buckets import Buckets, divide
 
 
 def make() -> Buckets:

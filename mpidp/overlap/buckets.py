@@ -12,7 +12,7 @@ gradients lie (:attr:`Buckets.fixed` marks its slots). :data:`TAPER` keeps
 it small where the first layers are small.
 
 Two buffers take turns as send and receive (:meth:`Buckets.swap`); the tail
-always lives in the first. :class:`mpidp.overlapped.Overlapped` owns one
+always lives in the first. :class:`mpidp.overlap.owner.Overlapped` owns one
 :class:`Buckets` and is the only user of its members.
 """
 
@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from . import casts
+from .. import casts
 
 __all__ = ["TAPER", "Buckets", "divide", "layout"]
 

@@ -3,7 +3,7 @@
 Used by :class:`mpidp.torch.DataParallel` with ``overlap`` set. A
 post-accumulate-grad hook per trainable tie group copies the finished
 gradient into its slot of the owner's float32 send buffer
-(:class:`mpidp.overlapped.Overlapped`; a float32 ``.grad`` then *is* that
+(:class:`mpidp.overlap.owner.Overlapped`; a float32 ``.grad`` then *is* that
 slot, so the next backward accumulates there and needs no copy) and marks
 it ready: complete buckets start summing at once, in the agreed order, while
 backward goes on. ``reduce`` fills what backward did not reach, hands the
@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .overlapped import Overlapped, Session
+from ..overlap.owner import Overlapped, Session
 
 __all__ = ["Overlap"]
 

@@ -4,7 +4,7 @@ Serially a world of one; under ``mpiexec -n 4`` four ranks, and three, two
 and one split from them; on two simulated hosts in the multi-host step.
 Every result is compared with a session on ``COMM_SELF`` that reduced
 without overlap, and every test checks which way the overlapped window
-went: its buckets' sums (:mod:`mpidp.exact_buckets`) or, where they cannot
+went: its buckets' sums (:mod:`mpidp.overlap.exact_jobs`) or, where they cannot
 hold, the plain exact path again.
 """
 
@@ -24,7 +24,7 @@ from mpi4py import MPI
 
 import mpidp.core
 import mpidp.exact
-import mpidp.exact_buckets
+import mpidp.overlap.exact_jobs
 import mpidp.torch
 from mpidp import ContractError
 from mpidp.exact import shard
@@ -50,7 +50,7 @@ class Ways:
 @contextmanager
 def counted(monkeypatch: pytest.MonkeyPatch) -> Iterator[Ways]:
     ways = Ways()
-    run, again = mpidp.exact_buckets.BucketJob.run, mpidp.core.DataParallel.reduce_exact
+    run, again = mpidp.overlap.exact_jobs.BucketJob.run, mpidp.core.DataParallel.reduce_exact
 
     def job(self: Any, comm: Any, operation: str) -> None:
         run(self, comm, operation)
@@ -60,7 +60,7 @@ def counted(monkeypatch: pytest.MonkeyPatch) -> Iterator[Ways]:
         ways.again += 1
         again(self, *args)
 
-    monkeypatch.setattr(mpidp.exact_buckets.BucketJob, "run", job)
+    monkeypatch.setattr(mpidp.overlap.exact_jobs.BucketJob, "run", job)
     monkeypatch.setattr(mpidp.core.DataParallel, "reduce_exact", plain)
     yield ways
 
@@ -259,7 +259,7 @@ def test_one_micro_batch_per_rank_folded_after_a_synced_backward_keeps_the_bits(
     import time
 
     expected = train(MPI.COMM_SELF, spread=lambda rank, size: list(range(comm.size)))
-    span, fold = mpidp.exact_buckets.ExactBuckets.span, mpidp.core.DataParallel.fold
+    span, fold = mpidp.overlap.exact_jobs.ExactBuckets.span, mpidp.core.DataParallel.fold
 
     def late_pack(self: Any, k: int) -> tuple[int, int]:
         time.sleep(0.1)  # between the bucket's exchange and its pack
@@ -270,7 +270,7 @@ def test_one_micro_batch_per_rank_folded_after_a_synced_backward_keeps_the_bits(
         fold(self, grads)
         time.sleep(0.3)  # before .grad is zeroed
 
-    monkeypatch.setattr(mpidp.exact_buckets.ExactBuckets, "span", late_pack)
+    monkeypatch.setattr(mpidp.overlap.exact_jobs.ExactBuckets, "span", late_pack)
     monkeypatch.setattr(mpidp.core.DataParallel, "fold", late_fold)
     one_bucket = {"bucket_bytes": 1 << 30, "chunk_bytes": 4096}
     assert train(comm, overlap=mode, spread=lambda rank, size: [rank], sync_each=True, options=one_bucket) == expected

@@ -23,12 +23,12 @@ torch = pytest.importorskip("torch")
 from test_torch import IGNORE, REDUCE_ERRORS, TinyLM, grads, loss_sum, micro_batches, shards, window
 from torch import nn
 
-import mpidp.buckets
 import mpidp.casts
 import mpidp.comm
+import mpidp.overlap.buckets
 import mpidp.torch
 from mpidp import ContractError, MissingGradientPolicy
-from mpidp.buckets import layout
+from mpidp.overlap.buckets import layout
 
 ZERO, ERROR = MissingGradientPolicy.ZERO, MissingGradientPolicy.ERROR
 #: buckets of 64 float32 values: TinyLM's 12 slots fill about 10 buckets
@@ -486,7 +486,7 @@ def test_an_exception_in_the_communication_thread_is_one_error_everywhere_then_i
                         raise MemoryError("injected")
                     return mpidp.casts.divide(*args, **kwargs)
 
-            monkeypatch.setattr(mpidp.buckets, "casts", Casts())
+            monkeypatch.setattr(mpidp.overlap.buckets, "casts", Casts())
         weight = window(comm, over, backward=False)
         if after:
             do.expect_weight(weight)  # the thread divides after each call

@@ -1,6 +1,6 @@
 """The exact reduction in an overlapped window: per bucket, agreed scales, then integer sums (the owner's, one per session).
 
-With ``exact=True`` and ``overlap``, :class:`mpidp.overlapped.Overlapped`
+With ``exact=True`` and ``overlap``, :class:`mpidp.overlap.owner.Overlapped`
 queues a :class:`BucketJob` per bucket instead of float32 calls. A job
 measures its slots' last gradients in the send buffer (the float32 values
 the hooks put there), exchanges one word per slot with every rank (an
@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from . import exact
+from ..exact import sums as exact
 from .progress import Job
 
 __all__ = ["BucketJob", "ExactBuckets"]

@@ -31,10 +31,11 @@ from typing import Any, TypeVar
 
 import torch
 
-from . import core, torch_model
-from .core import MissingGradientPolicy, MPIComm
-from .packing import DEFAULT_CHUNK_BYTES
-from .torch_overlap import Overlap
+from .. import core
+from ..core import MissingGradientPolicy, MPIComm
+from ..packing import DEFAULT_CHUNK_BYTES
+from . import model as torch_model
+from .overlap import Overlap
 
 __all__ = ["DataParallel"]
 
@@ -60,7 +61,7 @@ class DataParallel:
     and saving one parameter alone saves its whole buffer.
 
     ``overlap`` (CPU parameters) starts the reduction while backward runs
-    (:mod:`mpidp.torch_overlap`): gradients go into float32 buckets of
+    (:mod:`mpidp.torch.overlap`): gradients go into float32 buckets of
     ``bucket_bytes`` (default ``chunk_bytes``) as autograd finishes them;
     :meth:`reduce` then finishes them, with the plain path's results: bit for
     bit for 16-bit gradients and for float32 ones the plain path sums with an
@@ -82,7 +83,7 @@ class DataParallel:
     :meth:`fold` after each micro-batch's backward (with overlap, each but
     the last, run under :meth:`no_sync`), and the result's bits depend only
     on the set of micro-batches, not on the world size, the reduction path
-    or overlap (:mod:`mpidp.exact`, :mod:`mpidp.exact_buckets`,
+    or overlap (:mod:`mpidp.exact`, :mod:`mpidp.overlap.exact_jobs`,
     docs/reproducibility.md).
 
     ``chunk_bytes``, ``abort_on_exception`` and ``timeout`` are those of
@@ -130,7 +131,7 @@ class DataParallel:
         self._heads = tuple(first.values())
         self._trainable = frozenset(self._core.trainable)
         self._overlap: Overlap | None = None
-        if overlap:  # gradients go into reduction buckets during backward (mpidp.torch_overlap), unless True finds no core
+        if overlap:  # gradients go into reduction buckets during backward (mpidp.torch.overlap), unless True finds no core
             self._start_overlap(model, first, bucket_bytes, "auto" if overlap is True else str(overlap))
         #: every trainable head's .grad lives in the core's flat storage (or the overlap's buckets): reduced in place
         self._grads: dict[str, Any] = {} if self._overlap is not None else self._core.gradient_buffers()
@@ -208,7 +209,7 @@ class DataParallel:
         rank's must be equal, which catches a rank that skipped or repeated
         a ``reduce``.
         """
-        if self._overlap is not None:  # the overlapped window's owner checks, agrees and moves (mpidp.torch_overlap)
+        if self._overlap is not None:  # the overlapped window's owner checks, agrees and moves (mpidp.torch.overlap)
             return self._overlap.reduce(self._refresh, self._heads, _as_int(local_weight), policy, None if step is None else _as_int(step))
         params = self._refresh()
         weight = _as_int(local_weight)

@@ -7,7 +7,8 @@ for every operation of the session, so that ranks in different operations
 still match in MPI and learn that they are::
 
     word 0   KIND     which operation: WINDOW (reduce), VERIFY, REGIONS (broadcast_buffers), JOIN, CLOSE,
-                      OPEN (an overlapped window, before its first bucket call)
+                      OPEN (an overlapped window, before its first bucket call),
+                      SAVE, LOAD, STOP (a checkpoint's steps and a stop request: mpidp.checkpoint)
     word 1   ERROR    1 when this rank found an error before the exchange
     word 2.. body     the operation's own fields, named by its class (:class:`Window`, ...)
 
@@ -40,16 +41,17 @@ if TYPE_CHECKING:
     from .comm import Communicator
 
 __all__ = [
-    "CLOSE", "JOIN", "OPEN", "REGIONS", "U64_MAX", "VERIFY", "WINDOW", "Close", "Frame", "Join", "Open", "OperationsDiffer",
+    "CLOSE", "JOIN", "LOAD", "OPEN", "REGIONS", "SAVE", "STOP", "U64_MAX", "VERIFY", "WINDOW", "Close", "Frame", "Join", "Open", "OperationsDiffer",
     "RegionsRecord", "Setup", "Verify", "Window", "agree", "regions_disagreement",
 ]
 
 U64_MAX = (1 << 64) - 1
 #: operation kinds (word 0 of a frame)
-WINDOW, VERIFY, REGIONS, JOIN, CLOSE, OPEN = 1, 2, 3, 4, 5, 6
+WINDOW, VERIFY, REGIONS, JOIN, CLOSE, OPEN, SAVE, LOAD, STOP = 1, 2, 3, 4, 5, 6, 7, 8, 9
 OPERATIONS = {
     WINDOW: "reduce", VERIFY: "verify_replicas", REGIONS: "broadcast_buffers", JOIN: "join", CLOSE: "close",
-    OPEN: "reduce (starting its overlapped buckets)",
+    OPEN: "reduce (starting its overlapped buckets)", SAVE: "checkpoint save", LOAD: "checkpoint load",
+    STOP: "checkpoint stop request",
 }
 #: the words every frame starts with
 KIND, ERROR, BODY = 0, 1, 2

@@ -22,6 +22,8 @@ FLOORS = {
     "session": 4.5,
     "core": 5,
     "overlap.owner": 6,
+    "checkpoint.files": 1, "checkpoint.collective": 4, "checkpoint.stop": 4.5, "checkpoint.state": 4.5,
+    "checkpoint": 5, "checkpoint.__main__": 5,
     "torch.overlap": 7, "torch.model": 7,
     "torch.adapter": 8,
     "torch": 8.5,
@@ -29,7 +31,7 @@ FLOORS = {
 }
 #: the wings (packages) above the core's rooms, lowest first: a wing imports the core and the wings below it only,
 #: and the core's rooms import no wing but the exact sums (``exact``: the arithmetic of ``exact=True`` sessions)
-WINGS = ("exact", "overlap", "torch")
+WINGS = ("exact", "overlap", "checkpoint", "torch")
 
 
 def path(name: str) -> Path:

@@ -24,7 +24,7 @@ FLOORS = {
     "overlap.owner": 6,
     "checkpoint.files": 1, "checkpoint.collective": 4, "checkpoint.stop": 4.5, "checkpoint.state": 4.5,
     "checkpoint": 5, "checkpoint.__main__": 5,
-    "torch.overlap": 7, "torch.model": 7,
+    "torch.overlap": 7, "torch.model": 7, "torch.checkpoint": 7,
     "torch.adapter": 8,
     "torch": 8.5,
     "__init__": 9,
@@ -120,7 +120,7 @@ def test_comm_knows_no_device_framework() -> None:
 def test_the_torch_adapter_only_translates() -> None:
     _, inside = imports("torch.adapter")
     # no comm, guard or records of its own; its overlapped path is a room of the adapter
-    assert inside <= {"arrays", "core", "checks", "contract", "packing", "torch.model", "torch.overlap"}, inside
+    assert inside <= {"arrays", "core", "checks", "contract", "packing", "torch.checkpoint", "torch.model", "torch.overlap"}, inside
     assert imports("torch.overlap")[1] <= {"overlap.owner"}  # the owner only (it reaches autograd's engine as DDP does: private to torch)
     private = [
         ast.unparse(node)

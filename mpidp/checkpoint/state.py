@@ -48,7 +48,7 @@ def param_pieces(params: Mapping[str, Any], names: list[str], rank: int, size: i
     out = []
     for name in names:  # every tensor is named in every rank's file (its shape and dtype), a piece or not
         v = views[name]
-        out.append(Piece(f"{prefix}{name}", tuple(np.shape(params[name])), files.dtype_name(v.dtype), 0, v[:0]))
+        out.append(Piece(f"{prefix}{name}", tuple(params[name].shape), files.dtype_name(v.dtype), 0, v[:0]))
     for name, a, b in files.pieces_of([(n, views[n].size) for n in names], lo, hi):
         out.append(Piece(f"{prefix}{name}", out[names.index(name)].shape, out[names.index(name)].dtype, a, views[name][a:b]))
     return out
@@ -59,7 +59,7 @@ def optimizer_pieces(optimizer: Any, params: Mapping[str, Any]) -> list[Piece]:
     out = []
     for state, by_name in optimizer.state_pieces().items():
         for name, lo, _ in optimizer.owned():
-            out.append(Piece(f"state/{state}/{name}", tuple(np.shape(params[name])), "float32", lo, np.asarray(by_name[name]).reshape(-1)))
+            out.append(Piece(f"state/{state}/{name}", tuple(params[name].shape), "float32", lo, np.asarray(by_name[name]).reshape(-1)))
     return out
 
 
@@ -82,9 +82,9 @@ def save(
 
 def write(
     dp: Any, folder: str | Path, params: Mapping[str, Any], extras: Mapping[str, Any] | None, tag: str | None,
-    optimizer: Mapping[str, Any] | None, more: Callable[[], list[Piece]],
+    optimizer: Mapping[str, Any] | None, more: Callable[[], list[Piece]], adapter: Mapping[str, Any] | None = None,
 ) -> Path:
-    """:func:`save` for any optimizer: its manifest entry ``optimizer`` and its pieces ``more()`` (collective)."""
+    """:func:`save` for any optimizer: its manifest entry ``optimizer``, its pieces ``more()``, an adapter's own entry (collective)."""
     names, aliases = heads(params)
     plain, extra_arrays, error = collective.extras_json(extras)
     pieces: list[Piece] = []
@@ -96,7 +96,7 @@ def write(
         error = error or f"{type(e).__name__}: {e}"
     head = {
         "mpidp": version("mpidp"), "window": dp.window, "exact": dp.facts().exact is not None, "params": names, "aliases": aliases,
-        "optimizer": optimizer, "extras": plain, "extra_arrays": sorted(extra_arrays),
+        "optimizer": optimizer, "extras": plain, "extra_arrays": sorted(extra_arrays), "adapter": adapter,
     }
     tag = f"window-{dp.window:09d}" if tag is None else tag
     return collective.save_state(dp, folder, tag, pieces, head, error)
@@ -143,11 +143,15 @@ def load(dp: Any, where: str | Path, params: Mapping[str, Any], *, optimizer: An
 def read(
     dp: Any, where: str | Path, params: Mapping[str, Any], kind: str | None, more: list[Want],
     then: Callable[[Path, Mapping[str, Any], list[np.ndarray]], None] | None,
+    judge: Callable[[Mapping[str, Any]], str | None] | None = None,
 ) -> dict[str, Any]:
-    """:func:`load` for any optimizer: reads ``more`` too and hands them to ``then`` before the parameters are written."""
+    """:func:`load` for any optimizer: reads ``more`` too and hands them to ``then`` before the parameters are written.
+
+    ``judge`` adds the caller's own checks of the manifest to the core's.
+    """
     names, _ = heads(params)
-    wants = [Want(f"param/{n}", tuple(np.shape(params[n])), files.dtype_name(host(params[n]).dtype), 0, _numel(params[n])) for n in names]
-    path, manifest, got = collective.load_state(dp, where, wants + more, lambda m: judge_model(m, params, kind))
+    wants = [Want(f"param/{n}", tuple(params[n].shape), files.dtype_name(host(params[n]).dtype), 0, _numel(params[n].shape)) for n in names]
+    path, manifest, got = collective.load_state(dp, where, wants + more, lambda m: judge_model(m, params, kind) or (None if judge is None else judge(m)))
     extras: dict[str, Any] = dict(manifest["extras"])
     with files.Reader(path, manifest) as reader:
         extras.update({n: reader.read(f"extra/{n}").reshape(reader.entry(f"extra/{n}")["shape"]) for n in manifest["extra_arrays"]})
@@ -162,5 +166,5 @@ def read(
     return extras
 
 
-def _numel(x: Any) -> int:
-    return int(np.prod(np.shape(x), dtype=np.int64))
+def _numel(shape: Any) -> int:
+    return int(np.prod(tuple(shape), dtype=np.int64))

@@ -25,8 +25,9 @@ hidden in ``forward``.
 from __future__ import annotations
 
 import numbers
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager, nullcontext
+from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
@@ -34,6 +35,7 @@ import torch
 from .. import core
 from ..core import MissingGradientPolicy, MPIComm
 from ..packing import DEFAULT_CHUNK_BYTES
+from . import checkpoint as torch_checkpoint
 from . import model as torch_model
 from .overlap import Overlap
 
@@ -297,6 +299,43 @@ class DataParallel:
     def _between(self) -> AbstractContextManager[None]:
         """Around another mpidp operation: an overlapped window this rank began ends with it (collective)."""
         return nullcontext() if self._overlap is None else self._overlap.between()
+
+    # ------------------------------------------------------------- checkpoints
+
+    @property
+    def session(self) -> core.DataParallel:
+        """The core session under this adapter (for wings that work on sessions, such as :class:`mpidp.checkpoint.StopSignal`)."""
+        return self._core
+
+    def save_checkpoint(
+        self, folder: str | Path, optimizer: Any = None, *, extras: Mapping[str, Any] | None = None, tag: str | None = None
+    ) -> Path:
+        """Save the model, its buffers (root's), ``optimizer``'s state and ``extras`` into ``folder/tag`` (collective).
+
+        Every rank writes its own share (safetensors files, one per rank)
+        and nothing is gathered on one rank; the checkpoint is published
+        whole or not at all, then ``folder/latest`` names it. ``optimizer``
+        is a ``torch.optim`` optimizer (its ``state_dict()``, under its own
+        state names) or a sharded one (each rank its slices). ``extras``:
+        JSON values, NumPy arrays or tensors (a data position, RNG states),
+        root's. Tag: ``window-<n>`` by default. Returns the checkpoint's
+        path; ContractError on every rank if any rank failed, the previous
+        checkpoint then untouched. Call it between windows.
+        """
+        with self._between():
+            return torch_checkpoint.save(self._core, self.module, self._refresh(), folder, optimizer, extras, tag)
+
+    def load_checkpoint(self, where: str | Path, optimizer: Any = None) -> dict[str, Any]:
+        """Load a checkpoint written at any world size into the model, its buffers and ``optimizer`` (collective).
+
+        ``where``: a checkpoint, or a folder of them (its ``latest``).
+        Returns the extras (arrays as NumPy arrays). Raises ContractError on
+        every rank, with nothing modified, when the checkpoint is missing,
+        incomplete or truncated, of another model (a name, shape, dtype,
+        tie or buffer differs) or of another optimizer.
+        """
+        with self._between():
+            return torch_checkpoint.load(self._core, self.module, self._refresh(), where, optimizer)
 
     # ----------------------------------------------------------------- buffers
 

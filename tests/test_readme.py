@@ -613,7 +613,8 @@ def test_sbatch_template_launches_the_example(tmp_path: Path, override: str | No
     version = OPEN_MPI_VERSION.split("\\0")[0] if library else MPI.Get_library_version().replace("\0", "").splitlines()[0]
     expected = override or ("pmix" if "Open MPI" in (library or MPI.Get_library_version()) else "pmi2")
     assert log.read_text().splitlines() == [
-        f"--mpi={expected}", "--cpus-per-task=8", "python", "-m", "mpi4py", "-m", "mpidp.examples.charlm", "--steps", "3",
+        f"--mpi={expected}", "--cpus-per-task=8", "python", "-m", "mpi4py", "-m", "mpidp.examples.charlm",
+        "--save", str(ROOT / "checkpoints" / "mpidp"), "--steps", "3",
         f"MPIDP_TIMEOUT= OMP_NUM_THREADS=8 PMIX_MCA_psec={'native' if expected == 'pmix' else ''}",
     ]
     assert result.stdout.splitlines() == [f"mpidp: 2 node(s), 8 rank(s), srun --mpi={expected}, {version.strip()}"]

@@ -13,10 +13,15 @@ each rank back-propagates its loss *sum* and passes its token count to
 ``dp.reduce``. The model is a two-layer causal transformer whose output
 layer is tied to its embedding.
 
-``--save DIR`` writes one checkpoint per rank (``DIR/rank<r>.pt``: model,
-optimizer state, step and the rank's data generator); ``--resume DIR``
-continues from them to ``--steps`` steps in all, exactly where the run
-stopped: each rank keeps its own optimizer and data state with its model.
+``--save DIR`` writes a checkpoint (:mod:`mpidp.checkpoint`: every rank its
+share of the model and of AdamW's state, and the step) into ``DIR`` at the
+end, or earlier when any rank gets SIGUSR1 or SIGTERM (a batch system's
+warning before the time limit: every rank stops after the same step);
+``--resume DIR`` continues from ``DIR``'s newest checkpoint to ``--steps``
+steps in all, at this job's world size, whatever it was. Each rank's data
+of step ``s`` comes from a generator seeded with ``(seed, s, rank)``, so
+a run resumed at the same world size is bitwise the run that never
+stopped.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +42,7 @@ from mpi4py import MPI
 from torch import nn
 
 import mpidp.torch
+from mpidp import checkpoint
 from mpidp.examples import parse_args
 
 ALPHABET = "abcdefghijklmnopqrstuvwxyz ."
@@ -162,35 +169,30 @@ def main(argv: list[str] | None = None) -> Summary:
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--context", type=int, default=96)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--save", type=Path, help="directory for one checkpoint per rank, written at the end")
-    parser.add_argument("--resume", type=Path, help="directory of checkpoints to continue from")
+    parser.add_argument("--save", type=Path, help="folder of checkpoints: one at the end, or at a stop signal (SIGUSR1, SIGTERM)")
+    parser.add_argument("--resume", type=Path, help="folder of checkpoints to continue from (its newest)")
     args = parse_args(parser, argv)
     comm = MPI.COMM_WORLD
     rank, size = comm.rank, comm.size
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))  # ranks share the cores
 
     lang = Language()
-    rng = np.random.default_rng([args.seed, rank])  # every rank its own data
     torch.manual_seed(args.seed + rank)  # every rank its own init: the wrapper broadcasts root's
     model = CharLM(context=args.context)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
-    start = 0
-    if args.resume is not None:
-        state = torch.load(args.resume / f"rank{rank}.pt", weights_only=False)
-        if state["world_size"] != size:
-            raise SystemExit(f"{args.resume} holds a run on {state['world_size']} ranks, this job has {size}")
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        rng.bit_generator.state = state["rng"]
-        start = state["step"]
-
     dp = mpidp.torch.DataParallel(model, comm)  # every rank agrees on the model; root's values everywhere
+    start = 0
+    if args.resume is not None:  # written at any world size; every rank reads what it needs
+        start = dp.load_checkpoint(args.resume, optimizer)["step"]
+    stop = checkpoint.StopSignal(dp, (signal.SIGUSR1, signal.SIGTERM)) if args.save is not None else None
     losses: list[float] = []
     tokens_seen = 0
     t0 = time.perf_counter()
     steps = range(start + 1, args.steps + 1)
     bar = progress_bar(steps, rank)
+    done = start
     for step in steps if bar is None else bar:
+        rng = np.random.default_rng([args.seed, step, rank])  # every rank its own data, step by step
         # uneven shards: rank r draws up to 3 * (r + 1) sentences; the last rank none every 4th step
         n = 0 if (size > 1 and rank == size - 1 and step % 4 == 0) else int(rng.integers(rank == 0, 3 * (rank + 1) + 1))
         loss_sum = torch.zeros(())
@@ -212,12 +214,17 @@ def main(argv: list[str] | None = None) -> Summary:
             bar.set_postfix(loss=f"{loss:.3f}", tok_s=rate, refresh=False)
         elif rank == 0 and step % 50 == 0:
             print(f"step {step:5d}  loss {loss:.3f}  {rate} tokens/s", flush=True)
+        done = step
+        if stop is not None and step < args.steps and stop.requested():  # one rank's signal stops every rank here
+            if rank == 0:
+                print(f"stop requested: saving at step {step}", flush=True)
+            break
     if bar is not None:
         bar.close()
     seconds = time.perf_counter() - t0
     dp.verify_replicas()  # every rank holds bitwise the same model
     tail = losses[-max(1, len(losses) // 10) :]
-    summary = Summary(args.steps - start, tokens_seen, sum(tail) / len(tail) if losses else math.nan, seconds, model)
+    summary = Summary(done - start, tokens_seen, sum(tail) / len(tail) if losses else math.nan, seconds, model)
     if rank == 0:
         print(
             f"charlm: {summary.steps} steps on {size} ranks, {tokens_seen:,} scored tokens in {seconds:.1f} s "
@@ -225,16 +232,11 @@ def main(argv: list[str] | None = None) -> Summary:
             f"(uniform guess {math.log(VOCAB):.3f}); replicas bitwise equal"
         )
         print(f"sample: {sample(model, lang, np.random.default_rng(args.seed), args.context)!r}")
-    if args.save is not None:
-        args.save.mkdir(parents=True, exist_ok=True)
-        torch.save(
-            {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "rng": rng.bit_generator.state,
-             "step": args.steps, "world_size": size},
-            args.save / f"rank{rank}.pt",
-        )
-        comm.Barrier()
+    if args.save is not None and stop is not None:
+        path = dp.save_checkpoint(args.save, optimizer, extras={"step": done}, tag=f"step-{done:08d}")
+        stop.close()
         if rank == 0:
-            print(f"saved {size} checkpoints to {args.save}")
+            print(f"saved {path} (step {done}, {size} ranks)")
     dp.close()
     return summary
 

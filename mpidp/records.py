@@ -40,16 +40,18 @@ if TYPE_CHECKING:
     from .comm import Communicator
 
 __all__ = [
-    "CLOSE", "JOIN", "OPEN", "REGIONS", "U64_MAX", "VERIFY", "WINDOW", "Close", "Frame", "Join", "Open", "OperationsDiffer",
+    "CLOSE", "JOIN", "OPEN", "OPTIMIZER", "REGIONS", "U64_MAX", "VERIFY", "WINDOW", "Close", "Frame", "Join", "Open", "OperationsDiffer",
     "RegionsRecord", "Setup", "Verify", "Window", "agree", "regions_disagreement",
 ]
 
 U64_MAX = (1 << 64) - 1
 #: operation kinds (word 0 of a frame)
 WINDOW, VERIFY, REGIONS, JOIN, CLOSE, OPEN = 1, 2, 3, 4, 5, 6
+OPTIMIZER = 7  # a sharded optimizer's agreement (mpidp.optim): its description's digest in word BODY
 OPERATIONS = {
     WINDOW: "reduce", VERIFY: "verify_replicas", REGIONS: "broadcast_buffers", JOIN: "join", CLOSE: "close",
     OPEN: "reduce (starting its overlapped buckets)",
+    OPTIMIZER: "a sharded optimizer's agreement",
 }
 #: the words every frame starts with
 KIND, ERROR, BODY = 0, 1, 2

@@ -124,7 +124,7 @@ def first(a: Any, b: Any) -> str | None:
 
 def _first(a: Any, b: Any, path: str) -> tuple[str, Any, Any] | None:
     if isinstance(a, dict) and isinstance(b, dict):
-        for key in sorted(set(a) | set(b), key=str):
+        for key in [*a, *(k for k in b if k not in a)]:  # the description's own order: the kind first
             found = _first(a.get(key), b.get(key), f"{path}.{key}" if path else str(key))
             if found is not None:
                 return found

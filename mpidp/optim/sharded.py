@@ -77,7 +77,7 @@ class ShardedOptimizer:
             assert self.rule is not None
             self.groups, error = groupings.parse(groups_or_names, heads, (), self.rule.defaults, hyperparameters)
             error = error or self._problem(facts.device)
-        self._agree(error, f"{self.kind or type(self).__name__}: agreement", self.hyperparameters())
+        self._agree(error, "sharded optimizer: agreement", self.hyperparameters())
         self._group_of = {s: g for g in self.groups for s in g.slots}
         self._states = {name: np.zeros(self.cut.hi - self.cut.lo, np.float32) for name in self._rule_states()}
         self._masters = self._make_masters()
@@ -176,7 +176,7 @@ class ShardedOptimizer:
         except Exception as e:  # noqa: BLE001 - this rank's error, agreed
             error = f"{type(e).__name__}: {e}"
         loaded = {**self.hyperparameters(), "steps": steps}
-        self._agree(None if error is None else f"load: {error}", f"{self.kind}: load", loaded)
+        self._agree(None if error is None else f"load: {error}", "sharded optimizer: load", loaded)
         for name, a in staged.items():
             self._states[name][...] = a
         for k, m in masters.items():

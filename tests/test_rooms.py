@@ -26,6 +26,7 @@ FLOORS = {
     "optim": 6.8,
     "torch.overlap": 7, "torch.model": 7,
     "torch.adapter": 8,
+    "torch.optim": 8.2,
     "torch": 8.5,
     "__init__": 9,
 }

@@ -53,7 +53,8 @@ class ShardedOptimizer:
 
     Only host sessions (NumPy or CPU tensors) whose trainable arrays are
     C-contiguous; each rank keeps the state of its slice only
-    (:meth:`owned`, :meth:`state_pieces`, :attr:`nbytes`).
+    (:meth:`owned`, :meth:`state_pieces`, :attr:`nbytes`). ``adapter_error``:
+    an adapter's own local error, raised on every rank by the agreement.
     """
 
     kind: ClassVar[str] = ""
@@ -61,7 +62,7 @@ class ShardedOptimizer:
     whole: ClassVar[str | None] = None  # what a refused optimizer's update reads of a whole tensor
     rule: ClassVar[type[rules.Rule] | None] = None
 
-    def __init__(self, dp: DataParallel, groups_or_names: Any = None, **hyperparameters: Any) -> None:
+    def __init__(self, dp: DataParallel, groups_or_names: Any = None, *, adapter_error: str | None = None, **hyperparameters: Any) -> None:
         facts = dp.facts()
         self._dp, self._comm, self._exact = dp, facts.comm, facts.exact
         self._chunk = max(1, facts.chunk_bytes // 4)
@@ -71,7 +72,7 @@ class ShardedOptimizer:
         self.cut = Cut.of(facts.sizes, facts.comm.rank, facts.comm.size)
         self._mine = self.cut.mine()
         heads = dp.trainable
-        error = None if self.elementwise and self.rule is not None else self.refusal()
+        error = adapter_error or (None if self.elementwise and self.rule is not None else self.refusal())
         self.groups: list[groupings.Group] = []
         if error is None:
             assert self.rule is not None

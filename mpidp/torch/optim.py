@@ -34,10 +34,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
     local decision to skip ``step``, which would leave the other ranks waiting).
     """
 
-    core: ClassVar[type[core_optim.ShardedOptimizer]] = core_optim.ShardedOptimizer
+    _core: ClassVar[type[core_optim.ShardedOptimizer]] = core_optim.ShardedOptimizer
 
     def __init__(self, dp: DataParallel, params: Any = None, **defaults: Any) -> None:
-        rule = self.core.rule
+        rule = self._core.rule
         assert rule is not None
         head_of = {id(dp._params[h]): h for h in dp.trainable}
         error = "a sharded optimizer does not run with overlap sessions yet; build the DataParallel without overlap" if dp.overlap else None
@@ -53,11 +53,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
             error, groups = error or f"{type(e).__name__}: {e}", []
             self.param_groups = []
         self._dp = dp
-        self.sharded = self.core(dp._core, groups, adapter_error=error)
+        self.sharded = self._core(dp._core, groups, adapter_error=error)
         self.last: core_optim.StepResult | None = None
 
     def _hp(self, group: dict[str, Any]) -> dict[str, Any]:
-        rule = self.core.rule
+        rule = self._core.rule
         assert rule is not None
         return {k: tuple(group[k]) if k == "betas" else group[k] for k in rule.defaults}
 
@@ -102,16 +102,16 @@ class ShardedOptimizer(torch.optim.Optimizer):
 class ShardedAdamW(ShardedOptimizer):
     """``torch.optim.AdamW``, sharded: ``lr``, ``betas``, ``eps``, ``weight_decay``, ``amsgrad``, ``maximize``."""
 
-    core = core_optim.AdamW
+    _core = core_optim.AdamW
 
 
 class ShardedAdam(ShardedOptimizer):
     """``torch.optim.Adam``, sharded: ``lr``, ``betas``, ``eps``, ``weight_decay``, ``amsgrad``, ``maximize``."""
 
-    core = core_optim.Adam
+    _core = core_optim.Adam
 
 
 class ShardedSGD(ShardedOptimizer):
     """``torch.optim.SGD``, sharded: ``lr``, ``momentum``, ``dampening``, ``weight_decay``, ``nesterov``, ``maximize``."""
 
-    core = core_optim.SGD
+    _core = core_optim.SGD

@@ -41,6 +41,7 @@ class Facts(NamedTuple):
     device: str
     timeout: float | None  # the watchdog's seconds (None: off)
     exact: Any = None  # the session's exact sums (:class:`mpidp.exact.window.ExactWindow`; None: not exact)
+    params: tuple[Any, ...] = ()  # the parameter array of each reduction slot (a sharded optimizer's owners write them)
 
 
 class DataParallel(Session):
@@ -307,7 +308,8 @@ class DataParallel(Session):
     def facts(self) -> Facts:
         """What an owner of overlapped windows needs: communicator, slot sizes, chunk, root, device, timeout (local)."""
         timeout = None if self._watchdog is None else self._watchdog.timeout
-        return Facts(self._comm, self._slots.sizes, self._chunk_bytes, self._root, self._device, timeout, self._exact)
+        params = tuple(g.param for g in self._slots.groups)
+        return Facts(self._comm, self._slots.sizes, self._chunk_bytes, self._root, self._device, timeout, self._exact, params)
 
     def fail(self, error: CollectiveError) -> None:
         """Mark the session broken by ``error`` (an adapter's MPI call failed mid-window): every later call raises (local)."""

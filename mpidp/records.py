@@ -41,17 +41,21 @@ if TYPE_CHECKING:
     from .comm import Communicator
 
 __all__ = [
-    "CLOSE", "JOIN", "LOAD", "OPEN", "REGIONS", "SAVE", "STOP", "U64_MAX", "VERIFY", "WINDOW", "Close", "Frame", "Join", "Open", "OperationsDiffer",
+    "CLOSE", "JOIN", "LOAD", "OPEN", "OPTIMIZER", "REGIONS", "SAVE", "STOP", "U64_MAX", "VERIFY", "WINDOW", "Close", "Frame", "Join", "Open",
+    "OperationsDiffer",
     "RegionsRecord", "Setup", "Verify", "Window", "agree", "regions_disagreement",
 ]
 
 U64_MAX = (1 << 64) - 1
 #: operation kinds (word 0 of a frame)
-WINDOW, VERIFY, REGIONS, JOIN, CLOSE, OPEN, SAVE, LOAD, STOP = 1, 2, 3, 4, 5, 6, 7, 8, 9
+WINDOW, VERIFY, REGIONS, JOIN, CLOSE, OPEN = 1, 2, 3, 4, 5, 6
+OPTIMIZER = 7  # a sharded optimizer's agreement (mpidp.optim): its description's digest in word BODY
+SAVE, LOAD, STOP = 8, 9, 10  # a checkpoint's steps and a stop request (mpidp.checkpoint)
 OPERATIONS = {
     WINDOW: "reduce", VERIFY: "verify_replicas", REGIONS: "broadcast_buffers", JOIN: "join", CLOSE: "close",
-    OPEN: "reduce (starting its overlapped buckets)", SAVE: "checkpoint save", LOAD: "checkpoint load",
-    STOP: "checkpoint stop request",
+    OPEN: "reduce (starting its overlapped buckets)",
+    OPTIMIZER: "a sharded optimizer's agreement",
+    SAVE: "checkpoint save", LOAD: "checkpoint load", STOP: "checkpoint stop request",
 }
 #: the words every frame starts with
 KIND, ERROR, BODY = 0, 1, 2

@@ -59,6 +59,8 @@ def optimizer_pieces(optimizer: Any, params: Mapping[str, Any]) -> list[Piece]:
     out = []
     for state, by_name in optimizer.state_pieces().items():
         for name, lo, _ in optimizer.owned():
+            if name not in by_name:  # a state only some parameters have ("master": 16-bit ones)
+                continue
             out.append(Piece(f"state/{state}/{name}", tuple(params[name].shape), "float32", lo, np.asarray(by_name[name]).reshape(-1)))
     return out
 

@@ -31,15 +31,16 @@ def save(
 ) -> Path:
     """Write the module's parameters and buffers, ``optimizer``'s state and ``extras`` (collective; see the adapter's method)."""
     extras = {k: (v.detach().cpu().numpy() if isinstance(v, torch.Tensor) else v) for k, v in (extras or {}).items()}
-    kind, head = _describe(optimizer, params)
+    sharded = _sharded(optimizer)
+    kind, head = _describe(optimizer if sharded is None else sharded, params)
     buffers = _buffers(module)
 
     def more() -> list[Piece]:
         out = [Piece(f"buffer/{n}", (b.numel() * b.element_size(),), "uint8", 0, _bytes(b)) for n, b in buffers.items()] if session.rank == 0 else []
         if kind is None:
             return out
-        if hasattr(optimizer, "state_pieces"):
-            return out + state.optimizer_pieces(optimizer, params)
+        if sharded is not None:
+            return out + state.optimizer_pieces(sharded, params)
         tensors = _state_tensors(optimizer, params)
         return out + state.param_pieces(tensors, sorted(tensors), session.rank, session.world_size, prefix="ostate/")
 
@@ -50,25 +51,35 @@ def save(
 def load(session: Any, module: torch.nn.Module, params: Mapping[str, Any], where: str | Path, optimizer: Any) -> dict[str, Any]:
     """Read a checkpoint of any world size into the module, its buffers and ``optimizer`` (collective)."""
     buffers = _buffers(module)
-    kind, _ = _describe(optimizer, params)
+    sharded = _sharded(optimizer)
+    kind, _ = _describe(optimizer if sharded is None else sharded, params)
     path = state.collective.resolve(where) if _exists(where) else Path(where)
     saved = _saved_optimizer(path)
     wants = [Want(f"buffer/{n}", (b.numel() * b.element_size(),), "uint8", 0, b.numel() * b.element_size()) for n, b in buffers.items()]
     tensors = {}
-    if kind is not None and not hasattr(optimizer, "state_pieces") and saved is not None and saved.get("kind") == kind:
+    if kind is not None and sharded is None and saved is not None and saved.get("kind") == kind:
         tensors = {key: tuple(shape) for key, shape in saved["hyperparameters"]["tensors"].items()}
         wants += [Want(f"ostate/{key}", shape, "float32", 0, int(np.prod(shape, dtype=np.int64))) for key, shape in tensors.items()]
 
     def then(path: Path, manifest: Mapping[str, Any], got: list[np.ndarray]) -> None:
         for (_, b), raw in zip(buffers.items(), got):
             b.view(-1).view(torch.uint8).copy_(torch.from_numpy(raw))
-        if hasattr(optimizer, "state_pieces"):
+        if sharded is not None:
+            saved = manifest["optimizer"]["hyperparameters"]
             with files.Reader(path, manifest) as reader:
-                optimizer.load(manifest["optimizer"]["hyperparameters"], lambda s, n, lo, hi: reader.read(f"state/{s}/{n}", lo, hi))
+                sharded.load(saved, lambda s, n, lo, hi: reader.read(f"state/{s}/{n}", lo, hi))
+            for group, loaded in zip(getattr(optimizer, "param_groups", []), saved["groups"]):  # a scheduled lr, as load_state_dict
+                group.update({k: tuple(v) if isinstance(v, list) else v for k, v in loaded.items() if k in group and k != "params"})
         elif kind is not None:
             _load_torch(optimizer, params, manifest["optimizer"]["hyperparameters"], dict(zip(tensors, got[len(buffers) :])))
 
-    return state.read(session, where, params, kind, wants, then, judge=lambda m: _judge(m, optimizer, params, buffers))
+    return state.read(session, where, params, kind, wants, then, judge=lambda m: _judge(m, None if sharded is not None else optimizer, params, buffers))
+
+
+def _sharded(optimizer: Any) -> Any:
+    """The core sharded optimizer of ``optimizer`` (a torch one's ``.sharded``, or itself), or None for a replicated one."""
+    inner = getattr(optimizer, "sharded", optimizer)
+    return inner if hasattr(inner, "state_pieces") else None
 
 
 def _exists(where: str | Path) -> bool:
@@ -114,7 +125,7 @@ def _buffer_problem(manifest: Mapping[str, Any], buffers: Mapping[str, torch.Ten
 
 def _judge(manifest: Mapping[str, Any], optimizer: Any, params: Mapping[str, Any], buffers: Mapping[str, torch.Tensor]) -> str | None:
     problem = _buffer_problem(manifest, buffers)
-    if problem is not None or optimizer is None or hasattr(optimizer, "state_pieces"):
+    if problem is not None or optimizer is None:
         return problem
     saved = manifest["optimizer"]["hyperparameters"]["param_groups"]
     groups = [sorted(_names(g["params"], params)) for g in optimizer.param_groups]

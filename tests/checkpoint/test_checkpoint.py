@@ -206,3 +206,45 @@ def test_a_rank_killed_during_a_save_leaves_the_previous_checkpoint(tmp_path: Pa
     assert checkpoint.latest(folder) == folder / "good"
     assert not (folder / "bad").exists()
     assert (checkpoint.consolidate(folder / "good")["w"] == 1.0).all()  # root's values, broadcast at initialize
+
+
+# ------------------------------------------------------------- a sharded optimizer
+
+SHARDED = {"a": (1,), "b": (7,), "c": (33, 3), "d": (10007,)}
+
+
+def sharded_run(comm: MPI.Comm, windows: range, folder: Path | None = None, resume: Path | None = None) -> str:
+    """Exact windows with the sharded AdamW (clipped); save after them or resume before them; the parameters' SHA-256."""
+    from mpidp import optim
+
+    rng = np.random.default_rng(1)
+    p = {k: rng.standard_normal(s).astype(np.float32) for k, s in SHARDED.items()}
+    p["h"] = rng.standard_normal(65).astype(model(0)["brain"].dtype)  # bfloat16: a float32 master on its owner
+    groups = [{"params": ["a", "c", "d", "h"]}, {"params": ["b"], "weight_decay": 0.0}]
+    with mpidp.DataParallel.initialize(p, comm, exact=True) as dp:
+        opt = optim.AdamW(dp, groups, lr=1e-2, weight_decay=0.1)
+        if resume is not None:
+            assert checkpoint.load(dp, resume, p, optimizer=opt)["next"] == windows.start
+        for s in windows:
+            weight = 0
+            for i in mpidp.shard(5, dp.rank, dp.world_size):
+                g = np.random.default_rng(1000 * s + i)
+                dp.fold({k: (g.standard_normal(v.shape) * (i + 1)).astype(v.dtype) for k, v in p.items()})
+                weight += i % 3 + 1
+            opt.step({}, weight, step=s, max_norm=2.0)
+        if folder is not None:
+            path = checkpoint.save(dp, folder, p, optimizer=opt, extras={"next": windows.stop})
+            mine = sum(a.nbytes for d in opt.state_pieces().values() for a in d.values())
+            size = sum(f.stat().st_size for f in path.glob("rank-*.safetensors"))
+            assert mine < size  # each rank wrote its own slices (and a share of the parameters)
+    return digest(p)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_sharded_optimizer_resumes_at_every_world_size_with_the_same_bits(comm: MPI.Comm, folder: Path) -> None:
+    expected = sharded_run(MPI.COMM_SELF, range(4))
+    assert sharded_run(comm, range(2), folder=folder) != expected  # stopped after 2 windows at N ranks
+    for n in range(1, comm.size):
+        with first_ranks(comm, n) as sub:
+            if sub is not None:
+                assert sharded_run(sub, range(2, 4), resume=folder) == expected, f"{comm.size} -> {n}"

@@ -39,16 +39,16 @@ def digest(model: Any) -> str:
     return hashlib.sha256(b"".join(p.detach().numpy().tobytes() for _, p in sorted(model.named_parameters()))).hexdigest()
 
 
-def run(comm: MPI.Comm, steps: range, save: Path | None = None, resume: Path | None = None, seed: int = 0) -> str:
-    """Train a small transformer exactly (AdamW) over ``steps`` windows; save after them or resume before them; its hash."""
+def run(comm: MPI.Comm, steps: range, save: Path | None = None, resume: Path | None = None, seed: int = 0, sharded: bool = False) -> str:
+    """Train a small transformer exactly (AdamW, or mpidp's sharded one) over ``steps`` windows; save after or resume before; its hash."""
     torch.manual_seed(seed)
     lang = Language()
     model = CharLM(dim=16, layers=1, heads=2, context=24)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         with mpidp.torch.DataParallel(model, comm, exact=True) as dp:
+            opt = mpidp.torch.ShardedAdamW(dp, lr=3e-3) if sharded else torch.optim.AdamW(model.parameters(), lr=3e-3)
             if resume is not None:
                 extras = dp.load_checkpoint(resume, opt)
                 assert extras["next"] == steps.start
@@ -61,8 +61,11 @@ def run(comm: MPI.Comm, steps: range, save: Path | None = None, resume: Path | N
                     if j < len(mine) - 1:
                         dp.fold()
                     tokens += int((y != IGNORE).sum())
-                dp.reduce(local_weight=tokens)
-                opt.step()
+                if sharded:
+                    opt.step(local_weight=tokens)
+                else:
+                    dp.reduce(local_weight=tokens)
+                    opt.step()
                 dp.zero_grad()
             if save is not None:
                 dp.save_checkpoint(save, opt, extras={"next": steps.stop, "rng": torch.get_rng_state()})
@@ -84,6 +87,15 @@ def test_an_exact_run_resumed_at_another_world_size_has_the_uninterrupted_hash(c
             run(one, range(1), save=folder / "from-one")
     comm.Barrier()
     assert run(comm, range(1, 4), resume=folder / "from-one") == expected
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_sharded_torch_optimizer_resumes_at_another_world_size(comm: MPI.Comm, folder: Path) -> None:
+    expected = run(MPI.COMM_SELF, range(3), sharded=True)
+    run(comm, range(2), save=folder, sharded=True)
+    with first_ranks(comm, comm.size - 1) as sub:
+        if sub is not None:
+            assert run(sub, range(2, 3), resume=folder, sharded=True) == expected
 
 
 def test_model_buffers_and_optimizer_state_come_back(comm: MPI.Comm, folder: Path) -> None:

@@ -1,0 +1,362 @@
+"""The sharded optimizer: each rank owns one slice of the flat trainable storage, its state and its float32 masters.
+
+One :meth:`ShardedOptimizer.step` is a window (:meth:`mpidp.DataParallel.reduce`'s
+checks and agreement, the optimizer's description joining the agreed
+record), then the movement: gradients reduce-scattered to their owners
+(:mod:`mpidp.optim.moves`; ``exact=True``: the session's exact reduction),
+divided by the global weight, clipped by the exact global norm if asked
+(:mod:`mpidp.optim.norm`), the owner's slice updated by an elementwise rule
+(:mod:`mpidp.optim.rules`), and every updated slice gathered into every
+rank's parameters, in place. Afterwards the replicas are bitwise equal.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar, NamedTuple
+
+import numpy as np
+
+from .. import arrays, casts, records
+from ..core import DataParallel, MissingGradientPolicy
+from ..errors import CollectiveError, ContractError
+from . import groups as groupings
+from . import moves, norm, rules
+from .cut import Cut, pieces
+
+__all__ = ["ShardedOptimizer", "StepResult"]
+
+
+class StepResult(NamedTuple):
+    """What a sharded step returns: the window's global weight, and the global gradient norm (None: not clipped)."""
+
+    global_weight: int
+    norm: float | None
+
+
+class ShardedOptimizer:
+    """The base of the sharded optimizers; a subclass names its rule and says ``elementwise = True``.
+
+    Collective: building one is an agreement of every rank of the session
+    (the kind, the groups and their hyperparameters must be equal), and so
+    is every :meth:`step` and :meth:`load`. A subclass that does not declare
+    ``elementwise = True`` (its update reads a whole tensor; set ``whole`` to
+    say what it reads) is refused: ContractError on every rank, naming why.
+
+    ``groups_or_names``: None (every trainable tie group's head name, one
+    group), a list of head names (one group), or torch-like groups, dicts of
+    ``{"params": [names], "lr": ..., ...}``; head names not in any group are
+    not updated. Keywords are the rule's hyperparameters (defaults of the
+    groups that do not set their own). :attr:`param_groups` holds the group
+    dicts: change ``lr`` there between steps, on every rank alike.
+
+    Only host sessions (NumPy or CPU tensors) whose trainable arrays are
+    C-contiguous; each rank keeps the state of its slice only
+    (:meth:`owned`, :meth:`state_pieces`, :attr:`nbytes`). ``adapter_error``:
+    an adapter's own local error, raised on every rank by the agreement.
+    """
+
+    kind: ClassVar[str] = ""
+    elementwise: ClassVar[bool] = False
+    whole: ClassVar[str | None] = None  # what a refused optimizer's update reads of a whole tensor
+    rule: ClassVar[type[rules.Rule] | None] = None
+
+    def __init__(self, dp: DataParallel, groups_or_names: Any = None, *, adapter_error: str | None = None, **hyperparameters: Any) -> None:
+        facts = dp.facts()
+        self._dp, self._comm, self._exact = dp, facts.comm, facts.exact
+        self._chunk = max(1, facts.chunk_bytes // 4)
+        self._params = facts.params
+        self._flats = [arrays.view(p).reshape(-1) for p in self._params]
+        self._dtypes = [a.dtype for a in self._flats]
+        self.cut = Cut.of(facts.sizes, facts.comm.rank, facts.comm.size)
+        self._mine = self.cut.mine()
+        heads = dp.trainable
+        error = adapter_error or (None if self.elementwise and self.rule is not None else self.refusal())
+        self.groups: list[groupings.Group] = []
+        if error is None:
+            assert self.rule is not None
+            self.groups, error = groupings.parse(groups_or_names, heads, (), self.rule.defaults, hyperparameters)
+            error = error or self._problem(facts.device)
+        self._agree(error, "sharded optimizer: agreement", self.hyperparameters())
+        self._group_of = {s: g for g in self.groups for s in g.slots}
+        self._states = {name: np.zeros(self.cut.hi - self.cut.lo, np.float32) for name in self._rule_states()}
+        self._masters = self._make_masters()
+        self._grad: np.ndarray | None = None  # this rank's gradient slice (float path), made on the first step
+        self._whole: np.ndarray | None = None  # the whole flat gradient (exact path)
+
+    def refusal(self) -> str:
+        """Why this optimizer is refused (it is not elementwise): the message every rank raises."""
+        return groupings.refusal(type(self).__name__, self.whole)
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The group dicts (``params``: head names; hyperparameters), live: change ``lr`` here between steps."""
+        return [g.hp for g in self.groups]
+
+    def _problem(self, device: str) -> str | None:
+        """Why this rank cannot run the sharded optimizer (local), or None."""
+        assert self.rule is not None
+        for k, g in enumerate(self.groups):
+            why = self.rule.check(g.hp)
+            if why is not None:
+                return f"group {k}: {why}"
+        if device != "cpu":
+            return f"a sharded optimizer runs on host arrays only; this session's device is {device}"
+        for name, p, f in zip(self._dp.trainable, self._params, self._flats):
+            if not arrays.view(p).flags.c_contiguous or not f.flags.writeable:
+                return f"a sharded optimizer writes parameters in place: {name!r} is not a writable C-contiguous array"
+        return None
+
+    def _rule_states(self) -> tuple[str, ...]:
+        assert self.rule is not None
+        found: dict[str, None] = {}
+        for g in self.groups:
+            found.update(dict.fromkeys(self.rule.states(g.hp)))
+        return tuple(found)
+
+    def _make_masters(self) -> dict[int, np.ndarray]:
+        """float32 copies of this rank's pieces of 16-bit parameters, by piece index."""
+        return {
+            k: self._flats[p.slot][p.a : p.b].astype(np.float32)
+            for k, p in enumerate(self._mine) if self._dtypes[p.slot] != np.float32
+        }
+
+    # ----------------------------------------------------------- the interface
+
+    def hyperparameters(self) -> dict[str, Any]:
+        """The JSON-able description: ``{"kind", "groups": [{"params": names, hyperparameters..., "step": n}]}`` (local)."""
+        return groupings.describe(self.kind, self.groups)
+
+    def state_names(self) -> tuple[str, ...]:
+        """The optimizer's own state keys, with ``"master"`` where a trainable parameter is 16-bit (local; equal on every rank)."""
+        sixteen = any(d != np.float32 for d in self._dtypes)
+        return self._rule_states() + (("master",) if sixteen else ())
+
+    def owned(self) -> list[tuple[str, int, int]]:
+        """This rank's pieces: ``(head name, lo, hi)``, flat element ranges of each parameter, in flat order (local)."""
+        heads = self._dp.trainable
+        return [(heads[p.slot], p.a, p.b) for p in self._mine]
+
+    def state_pieces(self) -> dict[str, dict[str, np.ndarray]]:
+        """``{state name: {head name: float32 view of the owned range}}``: views of the live state, not copies (local).
+
+        ``"master"`` holds the pieces of 16-bit parameters only.
+        """
+        heads = self._dp.trainable
+        out = {s: {heads[p.slot]: a[p.offset : p.offset + p.b - p.a] for p in self._mine} for s, a in self._states.items()}
+        if "master" in self.state_names():
+            out["master"] = {heads[self._mine[k].slot]: m for k, m in self._masters.items()}
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this rank holds of optimizer state and float32 masters (local)."""
+        return sum(a.nbytes for a in self._states.values()) + sum(m.nbytes for m in self._masters.values())
+
+    def load(self, hyperparameters: Mapping[str, Any], read: Callable[[str, str, int, int], Any]) -> None:
+        """Load this rank's slices and the step counts from a checkpoint of any world size (collective).
+
+        ``hyperparameters``: what :meth:`hyperparameters` returned where it
+        was saved; its kind and its groups' parameters must equal this
+        optimizer's, and its groups' hyperparameters (a scheduled ``lr``) and
+        step counts replace this optimizer's, as ``torch.optim``'s
+        ``load_state_dict`` does. ``read(state_name, head_name, lo, hi)``
+        returns that parameter's elements ``[lo, hi)`` of the state (float32,
+        1-D), for every name of :meth:`state_names` and every piece of
+        :meth:`owned` (``"master"``: 16-bit parameters only). Raises
+        ContractError on every rank, with nothing loaded, when any rank's
+        checkpoint does not match or cannot be read.
+        """
+        staged: dict[str, np.ndarray] = {}
+        masters: dict[int, np.ndarray] = {}
+        steps: list[int] = []
+        try:
+            error = self._mismatch(hyperparameters)
+            if error is None:
+                steps = [int(g["step"]) for g in hyperparameters["groups"]]
+                staged, masters = self._read(read)
+        except Exception as e:  # noqa: BLE001 - this rank's error, agreed
+            error = f"{type(e).__name__}: {e}"
+        loaded = {**self.hyperparameters(), "steps": steps}
+        self._agree(None if error is None else f"load: {error}", "sharded optimizer: load", loaded)
+        for name, a in staged.items():
+            self._states[name][...] = a
+        for k, m in masters.items():
+            self._masters[k][...] = m
+        for g, n, saved in zip(self.groups, steps, hyperparameters["groups"]):
+            g.step = n
+            g.hp.update({k: tuple(v) if isinstance(v, list) else v for k, v in saved.items() if k not in ("params", "step")})
+
+    def _mismatch(self, saved: Mapping[str, Any]) -> str | None:
+        """How a saved description differs from this optimizer's in kind or groups' parameters, or None."""
+        mine = {"kind": self.kind, "groups": [{"params": g["params"]} for g in self.hyperparameters()["groups"]]}
+        groups = saved.get("groups", [])
+        theirs = {"kind": saved.get("kind"), "groups": [{"params": g.get("params")} for g in groups]}
+        if any(set(g) - {"params", "step"} != set(m) - {"params", "step"} for g, m in zip(groups, self.hyperparameters()["groups"])):
+            return "the checkpoint's optimizer differs: its groups hold other hyperparameters"
+        where = groupings.first(mine, theirs)
+        return None if where is None else f"the checkpoint's optimizer differs: {where}"
+
+    def _read(self, read: Callable[[str, str, int, int], Any]) -> tuple[dict[str, np.ndarray], dict[int, np.ndarray]]:
+        heads = self._dp.trainable
+        staged = {name: np.empty_like(a) for name, a in self._states.items()}
+        masters: dict[int, np.ndarray] = {}
+        for k, p in enumerate(self._mine):
+            for name, a in staged.items():
+                a[p.offset : p.offset + p.b - p.a] = _piece(read(name, heads[p.slot], p.a, p.b), p.b - p.a, name, heads[p.slot])
+            if k in self._masters:
+                masters[k] = _piece(read("master", heads[p.slot], p.a, p.b), p.b - p.a, "master", heads[p.slot])
+        return staged, masters
+
+    def _agree(self, error: str | None, operation: str, description: dict[str, Any]) -> None:
+        """Agree on ``description`` (and every rank's error): ContractError on every rank where they differ (collective)."""
+        rows = self._dp.agree_record(records.OPTIMIZER, [groupings.digest(description)], error, operation)
+        if len({r[records.BODY] for r in rows}) > 1:
+            self._differ(description, operation)
+
+    def _differ(self, description: dict[str, Any], operation: str) -> None:
+        every = self._comm.allgather_obj(description, f"{operation}: descriptions")
+        raise ContractError(f"{operation}: the sharded optimizer differs between ranks: {groupings.difference(every)}")
+
+    # ----------------------------------------------------------------- a step
+
+    def step(
+        self,
+        grads: Mapping[str, Any],
+        local_weight: int,
+        policy: MissingGradientPolicy = MissingGradientPolicy.ERROR,
+        *,
+        step: int | None = None,
+        max_norm: float | None = None,
+    ) -> StepResult:
+        """Reduce the window's gradients to their owners, update every slice, gather the parameters (collective).
+
+        ``grads``, ``local_weight``, ``policy`` and ``step`` as for
+        :meth:`mpidp.DataParallel.reduce` (in an ``exact=True`` session the
+        window's :meth:`~mpidp.DataParallel.fold` s count too); the gradients
+        are read, not written. Each owner divides its slice by the global
+        weight (float32), multiplies it by ``clip_grad_norm_``'s coefficient
+        when ``max_norm`` is given (the global norm: an exact sum of squares,
+        the same bits on every rank, and at every world size where the
+        gradients are), updates it, and every rank's parameters receive
+        every updated slice in their own dtype, in place. Parameters no
+        weighted rank has a gradient for are not updated; a group's step
+        count advances when any of its parameters is.
+
+        Raises ContractError on every rank, with parameters and state
+        untouched, where :meth:`~mpidp.DataParallel.reduce` would, where
+        ``max_norm`` is bad, or where ranks' optimizers differ (kind,
+        groups, hyperparameters, step counts, ``max_norm``).
+        """
+        error = self._step_problem(max_norm)
+        dp = self._dp
+        checked = dp.check_window(grads, local_weight, policy, error, step=step)
+        description = {**self.hyperparameters(), "max_norm": max_norm}
+        agreed = dp.agree_window(checked, None, groupings.digest(description))
+        operation = f"{self.kind} step (window {dp.window})"
+        if len(set(agreed.extra)) > 1:
+            if self._exact is not None:
+                self._exact.forget()
+            self._differ(description, operation)
+        present = agreed.present(len(self._params))
+        try:
+            grad = self._reduce(agreed, present, operation)
+            total = None if max_norm is None else self._clip(grad, present, float(max_norm), operation)
+            updated = self._update(grad, present)
+            moves.gather(self._comm, self.cut, self._chunk, self._fill, self._writer(updated), f"{operation}: parameters")
+        except CollectiveError as e:
+            dp.fail(e)
+            raise
+        return StepResult(agreed.global_weight, None if total is None else float(total))
+
+    def _step_problem(self, max_norm: Any) -> str | None:
+        assert self.rule is not None
+        if max_norm is not None and (isinstance(max_norm, bool) or not isinstance(max_norm, numbers.Real) or not float(max_norm) > 0):
+            return f"max_norm must be None or a positive real number, got {max_norm!r}"
+        for k, g in enumerate(self.groups):
+            why = self.rule.check(g.hp)
+            if why is not None:
+                return f"group {k}: {why}"
+        return None
+
+    def _reduce(self, agreed: Any, present: list[bool], operation: str) -> np.ndarray:
+        """This rank's slice of the window's global token mean, float32 (collective)."""
+        lo, hi = self.cut.lo, self.cut.hi
+        if self._exact is not None:  # the exact reduction of the whole, then this rank's slice of it
+            if self._whole is None:
+                self._whole = np.zeros(self.cut.begin[-1], np.float32)
+            begin, whole = self.cut.begin, self._whole
+            targets = [whole[begin[i] : begin[i + 1]] if here else None for i, here in enumerate(present)]
+            self._dp.reduce_exact(agreed, targets, f"{operation}: gradients")
+            return whole[lo:hi]
+        if self._grad is None:
+            self._grad = np.empty(hi - lo, np.float32)
+        views = [
+            arrays.view(x.array).reshape(-1) if x is not None and here and agreed.weight > 0 else None
+            for x, here in zip(agreed.given, present)
+        ]
+
+        def fill(a: int, b: int, out: np.ndarray) -> None:
+            for p in pieces(self.cut.begin, a, b):
+                v = views[p.slot]
+                if v is not None:
+                    casts.DEFAULT.upcast(out[p.offset : p.offset + p.b - p.a], v[p.a : p.b])
+
+        moves.scatter(self._comm, self.cut, self._chunk, fill, self._grad, f"{operation}: gradients")
+        casts.divide(self._grad, agreed.global_weight, out=self._grad)
+        return self._grad
+
+    def _clip(self, grad: np.ndarray, present: list[bool], max_norm: float, operation: str) -> np.float32:
+        """Multiply ``grad`` by clip_grad_norm_'s coefficient of the global norm, and return the norm (collective)."""
+        words = np.zeros(norm.WORDS, np.int64)
+        for p in self._mine:
+            if present[p.slot]:
+                norm.squares(grad[p.offset : p.offset + p.b - p.a], words)
+        if self.cut.size > 1:
+            summed = np.empty_like(words)
+            self._comm.Allreduce_into(words, summed, f"{operation}: norm (int64 Allreduce)")
+            words = summed
+        total = norm.norm(words)
+        grad *= norm.clip_coefficient(max_norm, total)
+        return total
+
+    def _update(self, grad: np.ndarray, present: list[bool]) -> list[bool]:
+        """Advance the step counts and update this rank's pieces (local); which slots were updated."""
+        assert self.rule is not None
+        updated = [here and s in self._group_of for s, here in enumerate(present)]
+        for g in self.groups:
+            if any(updated[s] for s in g.slots):
+                g.step += 1
+        for k, p in enumerate(self._mine):
+            if not updated[p.slot]:
+                continue
+            group, n = self._group_of[p.slot], p.b - p.a
+            master = self._masters.get(k)
+            value = self._flats[p.slot][p.a : p.b] if master is None else master
+            state = {name: a[p.offset : p.offset + n] for name, a in self._states.items()}
+            self.rule.update(group.hp, group.step, value, grad[p.offset : p.offset + n], state)
+            if master is not None:
+                self._flats[p.slot][p.a : p.b] = master  # rounded to the parameter's dtype (to nearest even)
+        return updated
+
+    def _fill(self, lo: int, hi: int, out: np.ndarray) -> None:
+        """This rank's parameter values of flat ``[lo, hi)`` into float32 ``out`` (exact: every dtype widens)."""
+        for p in pieces(self.cut.begin, lo, hi):
+            out[p.offset : p.offset + p.b - p.a] = self._flats[p.slot][p.a : p.b]
+
+    def _writer(self, updated: list[bool]) -> moves.Fill:
+        def write(lo: int, hi: int, values: np.ndarray) -> None:
+            for p in pieces(self.cut.begin, lo, hi):
+                if updated[p.slot]:
+                    self._flats[p.slot][p.a : p.b] = values[p.offset : p.offset + p.b - p.a]
+
+        return write
+
+
+def _piece(x: Any, n: int, state: str, name: str) -> np.ndarray:
+    """A checkpoint's piece as float32 of ``n`` values, or ValueError naming it."""
+    a = np.asarray(x)
+    if a.dtype != np.float32 or a.shape != (n,):
+        raise ValueError(f"{state} of {name!r}: expected float32 of shape ({n},), got {a.dtype} {a.shape}")
+    return a

@@ -27,9 +27,11 @@ class StopSignal:
     handlers back. ``dp`` is a core session or ``mpidp.torch.DataParallel``.
     """
 
+    #: whether this rank received one of the signals
+    received: bool = False
+
     def __init__(self, dp: Any, signals: Iterable[int] = (signal.SIGUSR1,)) -> None:
         self._session = getattr(dp, "session", dp)
-        #: whether this rank received one of the signals
         self.received = False
         self._previous = {s: signal.signal(s, self._note) for s in signals}
 

@@ -15,7 +15,7 @@ import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple, TypeVar
 
-from . import checks, cuda, guard, launch, layout, records, window
+from . import checks, cuda, exact, guard, launch, layout, records, window
 from . import comm as _mpi
 from .checks import ByteRegions
 from .comm import Communicator, MPIComm
@@ -363,6 +363,7 @@ def start(
         self = DataParallel(c, params, local, watchdog)
         self._broadcast(everyone)  # move
         self._move_regions(regions, "buffers: Bcast")
+        _warn_exact(local.setup.exact and c.rank == root, local.exact_mode)
     except BaseException:
         try:
             c.close()
@@ -385,6 +386,13 @@ def _warn_launch(root: bool) -> None:
     unknown = launch.unknown_variables_once() if root else None  # root's word: once per job
     if unknown is not None:
         warnings.warn(unknown, launch.VariableWarning, stacklevel=4)
+
+
+def _warn_exact(root: bool, mode: str) -> None:
+    """On root, once per process: an exact session that runs NumPy's passes says what it costs and how to avoid it."""
+    slow = exact.slow_passes_once(mode) if root else None
+    if slow is not None:
+        warnings.warn(slow, exact.SlowPassesWarning, stacklevel=4)
 
 
 def broadcast_regions(dp: DataParallel, regions: checks.ByteRegions, operation: str) -> None:

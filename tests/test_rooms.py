@@ -11,7 +11,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "mpidp"
 #: every module's floor: a module imports only modules on lower floors
 FLOORS = {
     "errors": 0, "arrays": 0, "kernels": 0,
-    "launch": 1, "casts": 1, "exact_kernels": 1,
+    "launch": 1, "casts": 1, "exact_kernels": 1, "exact_torch": 1,
     "contract": 2, "packing": 2, "comm": 2, "exact": 2, "buckets": 2,
     "layout": 3, "records": 3, "guard": 3, "progress": 3,
     "cuda": 3.5,  # the device room stands on the agreement it uses (select_device's), under checks and window

@@ -143,9 +143,14 @@ def unpack(ints: np.ndarray, scale: float, weight: float, out: np.ndarray) -> No
         hi = min(n, lo + BLOCK)
         d = doubles[: hi - lo]
         d.copy_(i[lo:hi])
-        torch.div(d, weight / scale, out=o[lo:hi])
+        o[lo:hi].copy_(d.div_(weight / scale))
 
 
 def unpack_float(values: np.ndarray, scale: float, weight: float, out: np.ndarray) -> None:
     """``out = float32(values * scale / weight)`` of float64 ``values`` (``scale`` a power of two: exact)."""
-    torch.div(torch.from_numpy(values), weight / scale, out=torch.from_numpy(out))
+    n = values.size
+    v, o = torch.from_numpy(values), torch.from_numpy(out)
+    doubles = torch.empty(min(BLOCK, n), dtype=torch.float64)  # a float32 ``out=`` of a float64 quotient: a whole-size temporary
+    for lo in range(0, n, BLOCK):
+        hi = min(n, lo + BLOCK)
+        o[lo:hi].copy_(torch.div(v[lo:hi], weight / scale, out=doubles[: hi - lo]))

@@ -533,14 +533,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 def install() -> dict[str, Any]:
-    """What this install gives the exact reduction (issue 41): whether numba is there, whose passes run, which variable chose them."""
-    import importlib.util
-
+    """What this install gives the exact reduction (issue 41): whether numba serves, whose passes run, which variable chose them."""
     import mpidp.exact
 
     mode = os.environ.get("MPIDP_EXACT_KERNELS", "auto")
     return {
-        "numba": importlib.util.find_spec("numba") is not None, "exact_kernels": mpidp.exact.route(mode.strip().lower() or "auto"),
+        "numba": mpidp.exact.route("numba") == "numba", "exact_kernels": mpidp.exact.route(mode.strip().lower() or "auto"),
         "MPIDP_EXACT_KERNELS": os.environ.get("MPIDP_EXACT_KERNELS"),
     }
 

@@ -239,6 +239,18 @@ def run_route(route: str, batches: list[list[np.ndarray]], groups: list[list[int
             "doubles": doubles.tobytes(), "via_doubles": via_doubles.tobytes(), "narrow": narrow.tobytes()}
 
 
+def test_where_numba_is_absent_a_process_that_imported_torch_gets_torch_s_passes() -> None:
+    """The README's install (torch, no numba; scripts/test hides numba in one run): the fast route, and no warning."""
+    pytest.importorskip("torch")
+    try:
+        import numba  # noqa: F401
+    except ImportError:
+        assert exact.route() == "torch" and exact.kernels().__name__ == "mpidp.exact_torch"
+    else:
+        assert exact.route() == "numba"
+    assert exact.route("numpy") == "numpy" and exact.route("torch") == "torch"
+
+
 @pytest.mark.parametrize("route", ROUTES)
 def test_every_route_gives_the_same_sums_and_results_bit_for_bit(route: str) -> None:
     batches = hard_folds()

@@ -445,7 +445,12 @@ def paired(rows: list[tuple[float, ...]], base: list[tuple[float, ...]], part: i
 
 
 def table(result: dict[str, Any]) -> str:
-    lines = [f"one training step, {result['meta']['world_size']} ranks, medians of {result['meta']['steps']} steps (ms; slowest rank per part)"]
+    meta = result["meta"]
+    numba = "installed" if meta.get("numba") else "not installed"
+    lines = [
+        f"one training step, {meta['world_size']} ranks, medians of {meta['steps']} steps (ms; slowest rank per part); "
+        + f"numba {numba}, exact passes: {meta.get('exact_kernels')}"
+    ]
     for name, m in result["models"].items():
         lim = m["limits"]
         lines.append(
@@ -527,6 +532,17 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def install() -> dict[str, Any]:
+    """What this install gives the exact reduction (issue 41): whether numba serves, whose passes run, which variable chose them."""
+    import mpidp.exact
+
+    mode = os.environ.get("MPIDP_EXACT_KERNELS", "auto")
+    return {
+        "numba": mpidp.exact.route("numba") == "numba", "exact_kernels": mpidp.exact.route(mode.strip().lower() or "auto"),
+        "MPIDP_EXACT_KERNELS": os.environ.get("MPIDP_EXACT_KERNELS"),
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     if args.markdown:
@@ -542,7 +558,7 @@ def main(argv: list[str] | None = None) -> int:
             "command": " ".join([f"mpiexec -n {COMM.size} python -m mpi4py benchmarks/train_step.py", *sys.argv[1:]]),
             "world_size": COMM.size, "steps": args.steps, "warmup": args.warmup, "quick": args.quick, "bucket_bytes": args.bucket_bytes,
             "torch": torch.__version__, "mpi": MPI.Get_library_version().split("\n")[0], "cores": os.cpu_count(),
-            "load_average_start": os.getloadavg(), **bench.huge_pages(),
+            "load_average_start": os.getloadavg(), **bench.huge_pages(), **install(),
         },
         "models": {},
     }

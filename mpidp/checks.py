@@ -17,12 +17,13 @@ import numpy as np
 
 from . import contract, cuda, layout, packing
 from .casts import DEFAULT, MODES, Casts
+from .exact.sums import MODES as EXACT_MODES
 from .records import Setup
 
 if TYPE_CHECKING:
     from .comm import Communicator
 
-__all__ = ["NO_REGIONS", "ByteRegions", "Found", "cast_strategy", "chunk_buffers", "on_host", "setup"]
+__all__ = ["NO_REGIONS", "ByteRegions", "Found", "cast_strategy", "chunk_buffers", "exact_kernels", "on_host", "setup"]
 
 
 class ByteRegions(NamedTuple):
@@ -48,6 +49,7 @@ class Found(NamedTuple):
     gpu: cuda.Device | None
     scatter: packing.Scatter | None = None  # host reduce-scatter buffers, where the agreed mode may use them
     casts: Casts = DEFAULT  # this rank's 16-bit casts (``MPIDP_CASTS``; local: every way gives the same bits)
+    exact_mode: str = "auto"  # this rank's exact passes (``MPIDP_EXACT_KERNELS``; local: every way gives the same bits)
 
 
 def setup(
@@ -79,7 +81,8 @@ def setup(
     chunk = int(chunk_bytes) // 4 * 4
     reduction, why = reduction_mode()
     casts, why_casts = cast_strategy()
-    error = error or why or why_casts
+    exact_mode, why_exact = exact_kernels()
+    error = error or why or why_casts or why_exact
     exact = options.get("exact", False)
     if not isinstance(exact, bool):
         error = error or f"exact must be True or False, got {exact!r}"
@@ -98,7 +101,7 @@ def setup(
     heads = [a for i, (e, a) in enumerate(zip(found.contract, found.arrays)) if e.alias == i]
     runs = layout.runs(heads, found.device) if error is None else None
     setup = Setup(found.contract, int(root), chunk, on_host(found), runs, regions.entries, reduction, exact is True)
-    return Found(setup, error, found, aware, stage, gpu, scatter, casts)
+    return Found(setup, error, found, aware, stage, gpu, scatter, casts, exact_mode)
 
 
 def reduction_mode() -> tuple[str, str | None]:
@@ -128,6 +131,18 @@ def cast_strategy() -> tuple[Casts, str | None]:
     if mode in MODES:
         return Casts(mode), None
     return DEFAULT, f"MPIDP_CASTS must be one of {', '.join(MODES)}, got {raw!r}"
+
+
+def exact_kernels() -> tuple[str, str | None]:
+    """This rank's exact passes from ``MPIDP_EXACT_KERNELS`` (default ``auto``), and why the value is invalid, or None (local).
+
+    Not agreed: every route gives the same bits (:mod:`mpidp.exact`).
+    """
+    raw = os.environ.get("MPIDP_EXACT_KERNELS", "auto")
+    mode = raw.strip().lower() or "auto"
+    if mode in EXACT_MODES:
+        return mode, None
+    return "auto", f"MPIDP_EXACT_KERNELS must be one of {', '.join(EXACT_MODES)}, got {raw!r}"
 
 
 def chunk_buffers(device: str, chunk_bytes: int, cuda_aware: bool) -> tuple[Any, cuda.Device | None]:

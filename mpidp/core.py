@@ -20,6 +20,7 @@ from . import comm as _mpi
 from .checks import ByteRegions
 from .comm import Communicator, MPIComm
 from .errors import CollectiveError, ContractError
+from .exact import sums as exact
 from .layout import flat_parameters
 from .packing import DEFAULT_CHUNK_BYTES
 from .records import U64_MAX, Window
@@ -365,6 +366,7 @@ def start(
         self = DataParallel(c, params, local, watchdog)
         self._broadcast(everyone)  # move
         self._move_regions(regions, "buffers: Bcast")
+        _warn_exact(local.setup.exact and c.rank == root, local.exact_mode)
     except BaseException:
         try:
             c.close()
@@ -387,6 +389,13 @@ def _warn_launch(root: bool) -> None:
     unknown = launch.unknown_variables_once() if root else None  # root's word: once per job
     if unknown is not None:
         warnings.warn(unknown, launch.VariableWarning, stacklevel=4)
+
+
+def _warn_exact(root: bool, mode: str) -> None:
+    """On root, once per process: an exact session that runs NumPy's passes says what it costs and how to avoid it."""
+    slow = exact.slow_passes_once(mode) if root else None
+    if slow is not None:
+        warnings.warn(slow, exact.SlowPassesWarning, stacklevel=4)
 
 
 def broadcast_regions(dp: DataParallel, regions: checks.ByteRegions, operation: str) -> None:

@@ -26,6 +26,7 @@ LIBRARY_VARIABLES = (
     "MPIDP_REDUCTION",  # how host calls are summed (mpidp.checks)
     "MPIDP_CUDA_AWARE",  # device buffers to MPI or staged (mpidp.cuda)
     "MPIDP_CASTS",  # whose 16-bit casts a session uses (mpidp.checks, mpidp.casts)
+    "MPIDP_EXACT_KERNELS",  # whose passes an exact session uses (mpidp.checks, mpidp.exact)
 )
 #: the ``MPIDP_`` variables of the project's scripts, tests and benchmarks: set legitimately, never warned about
 TOOL_VARIABLES = (

@@ -56,7 +56,7 @@ class Session:
         self._exact = None
         if local.setup.exact:  # slot space in the flat gradient storage's order: results gathered there in place
             order = layout.flat_order(self._slots.sizes, self._slots.kinds, len(local.stage))
-            self._exact = exact_window.ExactWindow(self._slots, Window.PRESENCE + self._slots.words, order)
+            self._exact = exact_window.ExactWindow(self._slots, Window.PRESENCE + self._slots.words, order, local.exact_mode)
         extra = len(self._slots) if self._exact is not None else 0  # a word per slot: its exact facts
         self._frame = Frame(max(Window.body(len(self._slots)) + extra, len(self._heads), 1))
         self._window_frame = self._frame.new(records.WINDOW)  # reused: Allgather copies it out

@@ -19,6 +19,8 @@ import pytest
 from conftest import clean_env
 from mpi4py import MPI
 
+from mpidp import exact
+
 pytest.importorskip("torch")
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -45,6 +47,10 @@ def test_quick_run_times_every_variant_in_parts(tmp_path: Path) -> None:
     assert p.returncode == 0, p.stdout
     result = json.loads((tmp_path / "quick-train-step-np2.json").read_text())
     assert result["meta"]["world_size"] == 2 and result["meta"]["quick"] is True
+    # the install behind the figures (issue 41): numba or not, and whose exact passes ran
+    numba = exact.route("numba") == "numba"  # numba importable and its passes built (scripts/test hides it in one run)
+    assert result["meta"]["numba"] is numba
+    assert result["meta"]["exact_kernels"] == ("numba" if numba else "torch")
     assert set(result["models"]) == {"gpt2-tiny", "resnet-tiny", "offcpu-gpt2-tiny"}
     off = result["models"]["offcpu-gpt2-tiny"]
     assert off["offcpu"]["real_model"] == "gpt2-tiny" and positive(off["offcpu"]["backward_sleep"])

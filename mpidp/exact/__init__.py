@@ -5,6 +5,23 @@
 Importing this package imports neither numba nor MPI.
 """
 
-from .sums import BITS, LIMIT, Accumulator, Facts, Measured, Stage, decode, encode, kernels, measured, shard
+from .sums import (
+    BITS,
+    FLOAT_BITS,
+    LIMIT,
+    MODES,
+    Accumulator,
+    Facts,
+    Measured,
+    SlowPassesWarning,
+    Stage,
+    decode,
+    encode,
+    kernels,
+    measured,
+    route,
+    shard,
+    slow_passes_once,
+)
 
-__all__ = ["BITS", "LIMIT", "Accumulator", "Facts", "Measured", "Stage", "decode", "encode", "kernels", "measured", "shard"]
+__all__ = ["BITS", "FLOAT_BITS", "LIMIT", "MODES", "Accumulator", "Facts", "Measured", "SlowPassesWarning", "Stage", "decode", "encode", "kernels", "measured", "route", "shard", "slow_passes_once"]

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 from numba import njit
 
-__all__ = ["maxabs", "pack", "unpack"]
+__all__ = ["maxabs", "pack", "pack_float", "unpack", "unpack_float"]
 
 
 def _compiled(signature: str) -> Any:
@@ -59,6 +59,35 @@ def pack(x: np.ndarray, scale: float, t: int, acc: np.ndarray, s: int, out: np.n
     else:
         for i in range(n):
             out[i] = 0
+
+
+@_compiled("void(float32[::1], float64, float64, int64[::1], float64, float64[::1])")
+def pack_float(x: np.ndarray, scale: float, step: float, acc: np.ndarray, shift: float, out: np.ndarray) -> None:  # pragma: no cover - compiled
+    """``out = float64(acc) * shift + (rint(x * scale) + 0.0) * step``: :func:`pack`'s integers as float64 (exact within 2**53).
+
+    ``+ 0.0`` makes a zero +0.0 (``rint(-0.3)`` is -0.0), as the integer's
+    conversion would: a sum of float64 integers then has the integer sum's bits.
+    """
+    n = out.size
+    if acc.size and x.size:
+        for i in range(n):
+            out[i] = np.float64(acc[i]) * shift + (np.rint(np.float64(x[i]) * scale) + 0.0) * step
+    elif x.size:
+        for i in range(n):
+            out[i] = (np.rint(np.float64(x[i]) * scale) + 0.0) * step
+    elif acc.size:
+        for i in range(n):
+            out[i] = np.float64(acc[i]) * shift
+    else:
+        for i in range(n):
+            out[i] = 0.0
+
+
+@_compiled("void(float64[::1], float64, float64, float32[::1])")
+def unpack_float(values: np.ndarray, scale: float, weight: float, out: np.ndarray) -> None:  # pragma: no cover - compiled
+    """``out = float32(values * scale / weight)`` of float64 ``values`` (integers; ``scale`` a power of two: exact)."""
+    for i in range(values.size):
+        out[i] = np.float32(values[i] * scale / weight)
 
 
 @_compiled("void(int64[::1], float64, float64, float32[::1])")

@@ -22,22 +22,46 @@ the int64 sum: that is one ContractError on every rank, decided on agreed
 facts, so at every world size alike. Values that are not finite (inf,
 NaN) are kept apart, summed in float32 (a sum of infinities and NaNs has
 no order either), and win over the finite sum, as in a float32 sum.
+
+Where every agreed slot of a chunk spans at most :data:`FLOAT_BITS` bits,
+the integers travel as float64 values instead (MPI_DOUBLE): every partial
+sum is then an integer below 2**53, which float64 adds exactly in any
+order, so the sums and results are those of int64, bit for bit, and no
+pass converts between integers and floats.
+
+The passes over the values (:func:`kernels`, ``MPIDP_EXACT_KERNELS``) are
+numba's compiled ones (:mod:`mpidp.exact.compiled`) where numba is
+installed, else torch's (:mod:`mpidp.exact.torch_passes`) where the process has
+imported torch, else NumPy's: the same bits every way.
 """
 
 from __future__ import annotations
 
 import bisect
+import sys
+import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
 
-__all__ = ["BITS", "LIMIT", "Accumulator", "Facts", "Measured", "Stage", "decode", "encode", "kernels", "measured", "shard"]
+from ..arrays import BFLOAT16
+from ..casts import Casts
+
+__all__ = [
+    "BITS", "FLOAT_BITS", "LIMIT", "MODES", "Accumulator", "Facts", "Measured", "SlowPassesWarning", "Stage", "decode", "encode", "kernels", "measured", "route", "shard",
+    "slow_passes_once",
+]
 
 #: each fold keeps its values to 2**-BITS of the power of two above its largest magnitude
 BITS = 36
 #: the bits an agreed slot may span: largest exponent - finest quantum + bits of the number of folds
 LIMIT = 62
+#: the bits of the slots whose integers may travel and be summed as float64 (exact below 2**53)
+FLOAT_BITS = 53
+#: values of ``MPIDP_EXACT_KERNELS``: ``auto`` (numba's where installed, else torch's where the process imported
+#: torch, else NumPy's), ``torch`` (torch's where imported, else NumPy's), ``numba`` (never torch's), ``numpy``
+MODES = ("auto", "torch", "numba", "numpy")
 
 _BIAS = 1 << 11  # exponents travel as unsigned 12-bit fields
 _COUNT_BITS = 32
@@ -133,8 +157,10 @@ class Accumulator:
     agreed quanta, sums over the ranks and converts back.
     """
 
-    def __init__(self, sizes: Sequence[int], order: Sequence[int] | None = None) -> None:
+    def __init__(self, sizes: Sequence[int], order: Sequence[int] | None = None, mode: str = "auto") -> None:
         self.sizes = tuple(int(n) for n in sizes)
+        #: whose passes (:data:`MODES`; local: every route gives the same bits)
+        self.mode = mode
         #: the slots in slot-space order (default: by index); any order agreed by every rank gives the same bits
         self.order = list(range(len(self.sizes)) if order is None else order)
         self._edges = np.cumsum((0, *(self.sizes[i] for i in self.order))).tolist()  # slot-space start of each, in order
@@ -178,7 +204,8 @@ class Accumulator:
 
     def fold(self, i: int, values: Any) -> None:
         """Add one micro-batch's gradient of slot ``i`` (a host array of any floating dtype; not modified)."""
-        x, e, bad = measured(values)
+        k = kernels(self.mode)
+        x, e, bad = measured(values, k)
         self.folded[i] = True
         if bad is not None:
             self._keep(i, bad)
@@ -190,14 +217,14 @@ class Accumulator:
             self.overflow[i] = True
             return
         s = self.slot(i)
-        kernels().pack(x, 2.0 ** (BITS - e), e - BITS - target, _EMPTY if now is None else s, 0 if now is None else now - target, s)
+        k.pack(x, 2.0 ** (BITS - e), e - BITS - target, _EMPTY if now is None else s, 0 if now is None else now - target, s)
         self.quantum[i] = target
         self.top[i] = max(self.top[i], e)
         self.count[i] += 1
 
     def measure(self, i: int, values: Any) -> None:
         """Take the facts of slot ``i``'s last micro-batch, to be added by :meth:`reduce` (nothing added yet)."""
-        self.pending[i] = measured(values)
+        self.pending[i] = measured(values, kernels(self.mode))
 
     def word(self, i: int, measured: Measured | None = None) -> int:
         """Slot ``i``'s word of the window record: its folds and what was measured (or ``measured``, given)."""
@@ -237,33 +264,42 @@ class Accumulator:
         return self._stage
 
     def pack(self, lo: int, hi: int, facts: Sequence[Facts], out: np.ndarray) -> None:
-        """Slot space ``[lo, hi)`` at the agreed quanta, as int64 into ``out``: the folds shifted, plus what was measured."""
+        """Slot space ``[lo, hi)`` at the agreed quanta, as int64 into ``out`` (float64: see :meth:`floats`): the folds shifted,
+        plus what was measured."""
         for i, a, b in self.pieces(lo, hi):
             base = self.starts[i]
             self.pack_slot(i, facts[i].quantum, self.pending.get(i, _NOTHING), out[a - lo : b - lo], a - base, b - base)
 
     def pack_slot(self, i: int, q: int | None, measured: Measured, out: np.ndarray, a: int = 0, b: int | None = None) -> None:
-        """Values ``[a, b)`` of slot ``i`` at quantum ``q`` (None: zeros), as int64 into ``out``: its folds plus ``measured``."""
+        """Values ``[a, b)`` of slot ``i`` at quantum ``q`` (None: zeros), as int64 (or float64) into ``out``: its folds plus ``measured``."""
         b = self.sizes[i] if b is None else b
         if q is None:
             out[...] = 0
             return
-        k, now, (x, e, _) = kernels(), self.quantum[i], measured
+        k, now, (x, e, _) = kernels(self.mode), self.quantum[i], measured
         acc = _EMPTY if now is None else self.buffer()[self.starts[i] + a : self.starts[i] + b]
-        if e is None:  # nothing measured here: the folds alone
-            k.pack(_EMPTY32, 1.0, 0, acc, 0 if now is None else now - q, out)
+        s = 0 if now is None else now - q
+        x, scale, t = (_EMPTY32, 1.0, 0) if e is None else (x[a:b], 2.0 ** (BITS - e), e - BITS - q)  # e None: the folds alone
+        if out.dtype == np.int64:
+            k.pack(x, scale, t, acc, s, out)
         else:
-            k.pack(x[a:b], 2.0 ** (BITS - e), e - BITS - q, acc, 0 if now is None else now - q, out)
+            k.pack_float(x, scale, 2.0**t, acc, 2.0**s, out)
+
+    def floats(self, lo: int, hi: int, facts: Sequence[Facts]) -> bool:
+        """Whether slot space ``[lo, hi)``'s integers may travel as float64: every agreed slot spans :data:`FLOAT_BITS` or fewer."""
+        spans = (_span(f.top, f.quantum, f.count) for f in (facts[i] for i, _, _ in self.pieces(lo, hi)) if f.quantum is not None)
+        return all(span <= FLOAT_BITS for span in spans)
 
     def unpack(self, lo: int, hi: int, facts: Sequence[Facts], ints: np.ndarray, global_weight: int, out: np.ndarray) -> None:
-        """Convert summed ints of slot space ``[lo, hi)`` to float32 ``ints * 2**quantum / global_weight`` into ``out``."""
-        k = kernels()
+        """Convert summed ints (int64, or float64) of slot space ``[lo, hi)`` to float32 ``ints * 2**quantum / global_weight`` into ``out``."""
+        k = kernels(self.mode)
+        convert = k.unpack if ints.dtype == np.int64 else k.unpack_float
         for i, a, b in self.pieces(lo, hi):
             q, o = facts[i].quantum, out[a - lo : b - lo]
             if q is None:
                 o[...] = 0
             else:
-                k.unpack(ints[a - lo : b - lo], 2.0**q, float(global_weight), o)
+                convert(ints[a - lo : b - lo], 2.0**q, float(global_weight), o)
 
     def pieces(self, lo: int, hi: int) -> Iterator[tuple[int, int, int]]:
         """The slots that overlap slot space ``[lo, hi)``: (slot, start, end) of each overlap."""
@@ -281,18 +317,29 @@ _EMPTY32 = np.zeros(0, np.float32)
 _NOTHING: Measured = (_EMPTY32, None, None)
 
 
-def measured(values: Any) -> Measured:
-    """A contiguous float32 view or copy of a host array (16-bit upcast exactly), inf and NaN zeroed; its exponent; the inf and NaN."""
+def measured(values: Any, passes: Any = None) -> Measured:
+    """A contiguous float32 view or copy of a host array (16-bit upcast exactly), inf and NaN zeroed; its exponent; the inf and NaN.
+
+    ``passes``: whose (:func:`kernels`; default: this process's ``auto``). A
+    16-bit array is upcast by the casts of the same family (mpidp.casts:
+    the same bits every way); its inf and NaN are NumPy's upcast of them.
+    """
+    k = kernels() if passes is None else passes
     x = np.asarray(values)
-    if x.dtype != np.float32 or not x.flags.c_contiguous:
+    if x.dtype in _SIXTEEN and x.size:
+        src = np.ascontiguousarray(x).reshape(-1)
+        x = np.empty(src.size, np.float32)
+        _CASTS.get(k, _CASTS[_NumPy]).upcast(x, src)
+    elif x.dtype != np.float32 or not x.flags.c_contiguous:
         x = np.ascontiguousarray(x, dtype=np.float32)
     x = x.reshape(-1)
-    top, bad = kernels().maxabs(x.view(np.uint32))
+    top, bad = k.maxabs(x.view(np.uint32))
     e = None if top == 0 else int(np.frexp(np.uint32(top).view(np.float32))[1])
     if not bad:
         return x, e, None
     finite = np.isfinite(x)
-    return np.where(finite, x, np.float32(0)), e, np.where(finite, np.float32(0), x)
+    exact = np.asarray(values).astype(np.float32).reshape(-1)  # NaN payloads as NumPy upcasts them, whoever upcast x
+    return np.where(finite, x, np.float32(0)), e, np.where(finite, np.float32(0), exact)
 
 
 class _NumPy:
@@ -316,22 +363,87 @@ class _NumPy:
         out[...] = base + ints
 
     @staticmethod
+    def pack_float(x: np.ndarray, scale: float, step: float, acc: np.ndarray, shift: float, out: np.ndarray) -> None:
+        ints = (np.rint(x.astype(np.float64) * scale) + 0.0) * step if x.size else 0.0  # + 0.0: zeros are +0.0
+        base = acc.astype(np.float64) * shift if acc.size else 0.0
+        out[...] = base + ints
+
+    @staticmethod
     def unpack(ints: np.ndarray, scale: float, weight: float, out: np.ndarray) -> None:
         out[...] = (ints.astype(np.float64) * scale / weight).astype(np.float32)
 
+    @staticmethod
+    def unpack_float(values: np.ndarray, scale: float, weight: float, out: np.ndarray) -> None:
+        out[...] = (values * scale / weight).astype(np.float32)
 
-#: the passes in use: the compiled ones where numba is installed, else NumPy's; set by :func:`kernels`
-_kernels: Any = None
+
+_SIXTEEN = (np.dtype(np.float16), np.dtype(BFLOAT16))
+#: per passes, the 16-bit upcasts of the same family (filled as routes are first chosen)
+_CASTS: dict[Any, Casts] = {_NumPy: Casts("numpy")}
+#: the compiled passes once imported; False where numba is absent or they failed to build (a fact of the process)
+_numba: Any = None
+#: :mod:`mpidp.exact.torch_passes` once imported (on first use, only where the process has imported torch)
+_torch: Any = None
 
 
-def kernels() -> Any:
-    """The compiled passes (:mod:`mpidp.exact.compiled`), or their NumPy forms where numba is not installed."""
-    global _kernels
-    if _kernels is None:
+def kernels(mode: str = "auto") -> Any:
+    """The passes of ``mode`` (:data:`MODES`) in this process now: numba's, torch's or NumPy's (may load numba)."""
+    return {"numba": _load_numba, "torch": _load_torch, "numpy": lambda: _NumPy}[route(mode)]()
+
+
+def route(mode: str = "auto") -> str:
+    """Whose passes ``mode`` gives in this process now: ``numba``, ``torch`` or ``numpy`` (may load numba; looks up torch each time)."""
+    if mode in ("auto", "numba") and _load_numba() is not None:
+        return "numba"
+    if mode in ("auto", "torch") and "torch" in sys.modules and sys.modules["torch"] is not None:
+        return "torch"
+    return "numpy"
+
+
+class SlowPassesWarning(UserWarning):
+    """An exact session runs NumPy's passes: several times slower than numba's or torch's (``initialize`` warns once)."""
+
+
+#: whether :func:`slow_passes_once` has spoken in this process
+_warned = False
+
+
+def slow_passes_once(mode: str) -> str | None:
+    """What NumPy's passes cost and how to get the fast ones, the first time an exact session of this process would run them; else None."""
+    global _warned
+    if _warned or route(mode) != "numpy":
+        return None
+    _warned = True
+    why = "numba is not installed and torch is not imported" if mode == "auto" else f"MPIDP_EXACT_KERNELS={mode}"
+    return (
+        f"mpidp: exact=True runs its passes over the gradients in NumPy here ({why}): several times slower than numba's "
+        "or torch's, the exact reduce about 3x the default path's on a GPT-2 of 29 M parameters (docs/performance.md). "
+        "For the fast passes, pip install numba (the mpidp[numba] extra), or import torch before initialize; the bits are the same."
+    )
+
+
+def _load_numba() -> Any:
+    """:mod:`mpidp.exact.compiled`, or None where numba is absent or the build failed (a warning then)."""
+    global _numba
+    if _numba is None:
         try:
             from . import compiled as exact_kernels
+        except Exception as e:  # noqa: BLE001 - numba absent (ImportError), or it could not compile: another route
+            _numba = False
+            if not isinstance(e, ImportError):
+                warnings.warn(f"mpidp: compiled exact passes unavailable: {type(e).__name__}: {e}", stacklevel=3)
+        else:
+            _numba = exact_kernels
+            _CASTS[exact_kernels] = Casts("numba")
+    return _numba or None
 
-            _kernels = exact_kernels
-        except ImportError:
-            _kernels = _NumPy
-    return _kernels
+
+def _load_torch() -> Any:
+    """:mod:`mpidp.exact.torch_passes` (only called where the process has imported torch)."""
+    global _torch
+    if _torch is None:
+        from . import torch_passes as exact_torch
+
+        _torch = exact_torch
+        _CASTS[exact_torch] = Casts("auto")
+    return _torch

@@ -26,10 +26,11 @@ __all__ = ["ExactWindow", "reduce"]
 class ExactWindow:
     """The exact sums of a session's reduction slots (``slots``: the core's), and their place in the window record."""
 
-    def __init__(self, slots: Any, base: int, order: Sequence[int] | None = None) -> None:
+    def __init__(self, slots: Any, base: int, order: Sequence[int] | None = None, mode: str = "auto") -> None:
         self.slots = slots
         self.base = base  # the record word of slot 0's exact facts
-        self.acc = exact.Accumulator(slots.sizes, order)  # ``order``: the slots' order in the flat gradient storage
+        # ``order``: the slots' order in the flat gradient storage; ``mode``: whose passes (``MPIDP_EXACT_KERNELS``)
+        self.acc = exact.Accumulator(slots.sizes, order, mode)
 
     @property
     def error(self) -> str | None:
@@ -106,7 +107,7 @@ class ExactWindow:
         try:
             reduce(
                 acc, facts, targets, agreed.weight > 0, agreed.global_weight, chunk_bytes // 8, comm.rank, comm.size,
-                lambda send, recv: comm.Reduce_scatter_block(send, recv, f"{operation}: Reduce_scatter_block (int64)"),
+                lambda send, recv: comm.Reduce_scatter_block(send, recv, f"{operation}: Reduce_scatter_block (integers)"),
                 lambda b: comm.Allgather_in_place(b, f"{operation}: Allgather"),
             )
             if any(f.special for f in facts):
@@ -149,7 +150,8 @@ def reduce(
     """Sum the window's integers over the ranks and write each target's exact result (collective, after the agreement).
 
     Chunk by chunk of ``chunk`` int64 values: pack at the agreed quanta
-    (zeros where this rank has no weight), ``scatter`` (a Reduce_scatter_block:
+    (zeros where this rank has no weight; as float64 where the agreed facts
+    allow, :meth:`mpidp.exact.Accumulator.floats`), ``scatter`` (a Reduce_scatter_block:
     this rank's share summed), convert this rank's share to float32,
     ``gather`` (an Allgather in place), write into ``targets`` (a host array
     per globally present slot, else None). Every rank calls the same
@@ -163,6 +165,9 @@ def reduce(
         hi = min(lo + c, acc.total)
         width = -(-(hi - lo) // size) * size
         send, part = stage.send[k % 2][:width], width // size
+        shard = stage.shard[:part]
+        if acc.floats(lo, hi, facts):  # float64 sums of integers below 2**53: exact, and no conversion passes
+            send, shard = send.view(np.float64), shard.view(np.float64)
         direct = region is not None and lo + width <= acc.total  # gathered straight into the targets
         if weighted:
             acc.pack(lo, hi, facts, send[: hi - lo])
@@ -171,8 +176,8 @@ def reduce(
             send[...] = 0
         ints = send
         if size > 1:
-            scatter(send, stage.shard[:part])
-            ints = stage.shard[:part]
+            scatter(send, shard)
+            ints = shard
         mine_lo, mine_hi = min(hi, lo + rank * part), min(hi, lo + (rank + 1) * part)
         floats = region[lo : lo + width] if direct else stage.floats[:width]  # type: ignore[index]
         acc.unpack(mine_lo, mine_hi, facts, ints[: mine_hi - mine_lo], global_weight, floats[mine_lo - lo : mine_hi - lo])

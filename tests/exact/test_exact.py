@@ -154,17 +154,170 @@ def test_shard_takes_every_nth_micro_batch() -> None:
         exact.shard(3, 2, 2)
 
 
-@pytest.mark.parametrize("passes", ["numpy", "compiled"])
-def test_the_compiled_passes_and_numpy_give_the_same_bits(passes: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    if passes == "compiled":
-        pytest.importorskip("numba")
-        from mpidp.exact import compiled as exact_kernels
+# ------------------------------------------------------------------ the routes (issue 41)
 
-        monkeypatch.setattr(exact, "_kernels", exact_kernels)
+ROUTES = ["numpy", "torch", "numba"]
+#: slots of the hard folds: dtype, size (one over torch's block of 65,536 values), kind of values
+HARD = (
+    (np.float32, 7, "normal"), (np.float32, 70003, "normal"), (np.float32, 1, "normal"), (np.float32, 300, "largest"),
+    (np.float32, 70001, "subnormal"), (ml_dtypes.bfloat16, 5000, "normal"), (np.float16, 5000, "float16"), (np.float32, 1000, "spread"),
+)
+
+
+def use(route: str) -> str:
+    """``route`` where this process has it (skipped where not): its MPIDP_EXACT_KERNELS value."""
+    if route != "numpy":
+        pytest.importorskip(route)
+    assert exact.route(route) == route
+    return route
+
+
+def hard_folds(count: int = 12) -> list[list[np.ndarray]]:
+    """Micro-batches of HARD: subnormals, the largest exponents, inf and NaN, 16-bit values, spreads that need int64."""
+    rng = np.random.default_rng(41)
+    out = []
+    for b in range(count):
+        folds = []
+        for dtype, n, kind in HARD:
+            x = rng.standard_normal(n) * 10.0 ** rng.uniform(-1, 1)
+            if kind == "largest":  # up to float32's largest finite value
+                x = rng.uniform(-1, 1, n) * 3.4028235e38 * 2.0 ** -rng.integers(0, 6)
+            elif kind == "subnormal":  # float32 subnormals only: scales of 2**185
+                x = rng.integers(-(1 << 23), 1 << 23, n) * 2.0**-149 * 2.0 ** -rng.integers(0, 8)
+            elif kind == "float16":  # float16 subnormals to its largest value
+                x = rng.choice([-65504.0, 6e-8, -3e-7, 0.0, 1.5, 1e-5], n) * rng.uniform(0.5, 1, n)
+            elif kind == "spread":  # 2**0 .. 2**21 over the micro-batches: more than 53 bits, less than 62
+                x = x / 10.0 ** np.log10(np.abs(x).max()) * 2.0 ** (b * 21 // (count - 1))
+            folds.append(x.astype(dtype))
+        if b == 3:
+            folds[3][[5, 9]] = [np.inf, np.nan]
+            folds[5][7] = np.nan
+            folds[6][2] = -np.inf
+        if b == 5:
+            folds[1][:40] = np.float32(1e-40)  # subnormals beside normal values (below the quantum: zero)
+            folds[2][0] = -0.0
+        out.append(folds)
+    return out
+
+
+def run_route(route: str, batches: list[list[np.ndarray]], groups: list[list[int]], chunk: int = 4099) -> dict[str, bytes]:
+    """The protocol by hand on ``route``'s passes, chunk by chunk (cuts inside tensors): every byte it makes."""
+    sizes = [n for _, n, _ in HARD]
+    ranks = [exact.Accumulator(sizes, list(reversed(range(len(sizes)))), mode=route) for _ in groups]
+    for acc, members in zip(ranks, groups):
+        for j, b in enumerate(members):
+            for i, g in enumerate(batches[b]):
+                (acc.fold if j < len(members) - 1 else acc.measure)(i, g)
+    facts = [exact.Facts([acc.word(i) for acc in ranks if acc.present(i)]) for i in range(len(sizes))]
+    assert not any(f.overflow for f in facts)
+    acc = ranks[0]
+    ints, doubles = np.zeros(acc.total, np.int64), np.zeros(acc.total, np.float64)
+    via_ints, via_doubles = np.empty(acc.total, np.float32), np.zeros(acc.total, np.float32)
+    narrow = np.zeros(acc.total, bool)
+    for lo in range(0, acc.total, chunk):
+        hi = min(lo + chunk, acc.total)
+        for r in ranks:
+            packed = np.empty(hi - lo, np.int64)
+            r.pack(lo, hi, facts, packed)
+            ints[lo:hi] += packed
+            if acc.floats(lo, hi, facts):
+                as_doubles = np.empty(hi - lo, np.float64)
+                r.pack(lo, hi, facts, as_doubles)
+                doubles[lo:hi] += as_doubles
+        acc.unpack(lo, hi, facts, ints[lo:hi], 7, via_ints[lo:hi])
+        if acc.floats(lo, hi, facts):
+            acc.unpack(lo, hi, facts, doubles[lo:hi], 7, via_doubles[lo:hi])
+            narrow[lo:hi] = True
+    for r in ranks:
+        r.take_specials()
+    specials = b"".join(r.special[i].tobytes() for r in ranks for i in sorted(r.special))
+    for i, (a, b) in enumerate(acc.bounds):  # inf and NaN win (summed apart in float32)
+        kept = sum((r.special[i] for r in ranks if i in r.special), np.zeros(b - a, np.float32))
+        np.copyto(via_ints[a:b], kept, where=kept != 0)
+    words = np.array([r.word(i) for r in ranks for i in range(len(sizes))], np.uint64)
+    return {"words": words.tobytes(), "ints": ints.tobytes(), "results": via_ints.tobytes(), "specials": specials,
+            "doubles": doubles.tobytes(), "via_doubles": via_doubles.tobytes(), "narrow": narrow.tobytes()}
+
+
+def test_where_numba_is_absent_a_process_that_imported_torch_gets_torch_s_passes() -> None:
+    """The README's install (torch, no numba; scripts/test hides numba in one run): the fast route, and no warning."""
+    pytest.importorskip("torch")
+    try:
+        import numba  # noqa: F401
+    except ImportError:
+        assert exact.route() == "torch" and exact.kernels().__name__ == "mpidp.exact.torch_passes"
     else:
-        monkeypatch.setattr(exact, "_kernels", exact._NumPy)
-    batches = micro_batches(12, seed=11)
-    batches[3][1][[5, 9]] = [np.inf, np.nan]
-    got = simulate(batches, [list(exact.shard(12, r, 3)) for r in range(3)])
-    monkeypatch.setattr(exact, "_kernels", exact._NumPy)
-    assert digest(got) == digest(simulate(batches, [list(exact.shard(12, r, 3)) for r in range(3)]))
+        assert exact.route() == "numba"
+    assert exact.route("numpy") == "numpy" and exact.route("torch") == "torch"
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_every_route_gives_the_same_sums_and_results_bit_for_bit(route: str) -> None:
+    batches = hard_folds()
+    groups = [list(exact.shard(12, r, 3)) for r in range(3)]
+    got, ref = run_route(use(route), batches, groups), run_route("numpy", batches, groups)
+    assert got.keys() == ref.keys()
+    for key in got:
+        assert got[key] == ref[key], f"{route}: {key} differ from NumPy's"
+    # float64 sums of the chunks that allow them are the int64 sums, and convert to the same bits
+    ints, doubles = np.frombuffer(got["ints"], np.int64), np.frombuffer(got["doubles"], np.float64)
+    results, via_doubles = np.frombuffer(got["results"], np.float32), np.frombuffer(got["via_doubles"], np.float32)
+    narrow = np.frombuffer(got["narrow"], bool) & np.isfinite(results)  # float64 chunks, where no inf or NaN won
+    assert np.array_equal(ints[narrow].astype(np.float64), doubles[narrow])
+    assert results[narrow].tobytes() == via_doubles[narrow].tobytes()
+    assert not np.signbit(doubles[doubles == 0]).any()  # no -0.0: a float64 zero has the int64 zero's bits after conversion
+    assert 0.5 < np.frombuffer(got["narrow"], bool).mean() < 1  # both paths ran: the spread slot needs int64
+    assert np.isnan(np.frombuffer(got["results"], np.float32)).any()  # the NaN won where it was
+
+
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_each_pass_of_each_route_is_numpy_s_bitwise(route: str, threads: int) -> None:
+    """The passes alone, on values that stress them: int64 sums beyond 2**53 (rounded), -0.0, scales past float32's range."""
+    k, ref = exact.kernels(use(route)), exact._NumPy
+    torch = pytest.importorskip("torch") if threads > 1 else None
+    before = torch.get_num_threads() if torch else 0
+    if torch:
+        torch.set_num_threads(threads)
+    try:
+        rng = np.random.default_rng(5)
+        n = 70001
+        bits = rng.integers(0, 1 << 32, n, dtype=np.uint64).astype(np.uint32)
+        finite = bits & np.uint32(0x7FFFFFFF) < 0x7F800000
+        for b in (bits[finite], bits, np.zeros(3, np.uint32), np.array([0x80000000, 1, 0x80000002], np.uint32), bits[:0]):
+            assert k.maxabs(b) == ref.maxabs(b)
+        x = rng.standard_normal(n) * 2.0 ** rng.integers(-30, 0, n)
+        x = x / np.abs(x).max() / 2  # below 1: x * 2**36 below 2**36, as measured() makes them
+        x[:8] = np.array([0.5, -0.0, 0.0, 0.5, -0.5, 1.5, -2.5, 2.5]) * [1, 1, 1, *[2.0**-36] * 5]  # ties: half to even; signed zeros
+        acc = rng.integers(-(1 << 40), 1 << 40, n)
+        subnormal = rng.integers(-(1 << 23), 1 << 23, n) * 2.0**-149
+        cases = [(2.0**-92, 0, acc[:0], 0), (2.0**5, 3, acc, 2), (2.0**162, 0, acc, 0), (2.0**185, 1, acc[:0], 0), (1.0, 0, acc, 5)]
+        for scale, t, a, s in cases:  # values below 2**36 / scale, as measured() gives them (2**185: only +-2**-149)
+            y = np.float32(x * 2**36 / scale) if scale <= 2.0**127 else subnormal if scale < 2.0**185 else np.sign(x) * 2.0**-149
+            y = np.asarray(y, np.float32)
+            y[:2] = [-0.0, np.float32(2.0**-149)]
+            for empty in (False, True):
+                xs = y[:0] if empty else y
+                outs = [np.empty(n, np.int64), np.empty(n, np.int64), np.empty(n), np.empty(n)]
+                k.pack(xs, scale, t, a, s, outs[0])
+                ref.pack(xs, scale, t, a, s, outs[1])
+                k.pack_float(xs, scale, 2.0**t, a, 2.0**s, outs[2])
+                ref.pack_float(xs, scale, 2.0**t, a, 2.0**s, outs[3])
+                assert outs[0].tobytes() == outs[1].tobytes() and outs[2].tobytes() == outs[3].tobytes()
+        if route == "torch":  # what unpack's bits rest on: torch divides float64 by a scalar correctly rounded, as NumPy
+            import torch as t
+
+            d = rng.standard_normal(n) * 1e10
+            assert t.div(t.from_numpy(d), 7.0).numpy().tobytes() == (d / 7.0).tobytes()
+        sums = rng.integers(-(1 << 62), 1 << 62, n)
+        sums[:4] = [(1 << 53) + 1, -(1 << 60) - 3, 0, (1 << 62) - 1]
+        doubles = rng.integers(-(1 << 53), 1 << 53, n).astype(np.float64)
+        for scale, weight in [(2.0**-40, 7.0), (2.0**-184, 3.0), (2.0**70, 12345.0), (1.0, 2.0**64)]:
+            mine, theirs = np.empty(n, np.float32), np.empty(n, np.float32)
+            for pass_, values in (("unpack", sums), ("unpack_float", doubles)):
+                getattr(k, pass_)(values, scale, weight, mine)
+                getattr(ref, pass_)(values, scale, weight, theirs)
+                assert mine.tobytes() == theirs.tobytes(), (pass_, scale, weight)
+    finally:
+        if torch:
+            torch.set_num_threads(before)

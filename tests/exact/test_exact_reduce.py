@@ -120,6 +120,60 @@ def test_inf_and_nan_on_one_rank_reach_every_rank(comm: MPI.Comm) -> None:
         assert all(r == rows[0] for r in rows)
 
 
+# ------------------------------------------------------------------ the passes' routes (issue 41)
+
+
+def routes() -> list[str]:
+    """The routes of the exact passes this process has: NumPy's, torch's where importable, numba's where installed."""
+    import importlib.util
+
+    from mpidp import exact
+
+    return ["numpy"] + ["torch"] * (importlib.util.find_spec("torch") is not None) + ["numba"] * (exact.route("numba") == "numba")
+
+
+@pytest.mark.parametrize("shift", [0, 1, 2])
+def test_ranks_on_different_routes_give_one_process_s_bits(comm: MPI.Comm, monkeypatch: pytest.MonkeyPatch, shift: int) -> None:
+    """Each rank runs another route (MPIDP_EXACT_KERNELS): the bits of one process on its default route, on every rank."""
+    import warnings
+
+    from mpidp import exact
+
+    if "torch" in routes():
+        import torch  # noqa: F401 - the torch route runs where the process imported torch
+    expected = [one_process(step=s) for s in range(2)]
+    mine = routes()[(comm.rank + shift) % len(routes())]
+    monkeypatch.setenv("MPIDP_EXACT_KERNELS", mine)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", exact.SlowPassesWarning)
+        with mpidp.DataParallel.initialize(params(), comm, exact=True) as dp:
+            assert dp._exact.acc.mode == mine and exact.route(mine) == mine
+            got = [window(dp, shard(COUNT, comm.rank, comm.size), step=s) for s in range(2)]
+    assert comm.allgather(got == expected) == [True] * comm.size, f"routes {comm.allgather(mine)}"
+
+
+def test_numpy_s_passes_are_announced_once_on_the_root_rank(comm: MPI.Comm, monkeypatch: pytest.MonkeyPatch) -> None:
+    import warnings
+
+    from mpidp.exact import sums as exact
+
+    monkeypatch.setattr(exact, "_warned", False)
+    root = comm.size - 1
+    seen = []
+    for mode, exact_session in [("numba", False), ("numpy", True), ("numpy", True), ("auto", True)]:
+        monkeypatch.setenv("MPIDP_EXACT_KERNELS", mode)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            mpidp.DataParallel.initialize(params(), comm, root, exact=exact_session).close()
+        seen.append([str(w.message) for w in caught if issubclass(w.category, exact.SlowPassesWarning)])
+    every = comm.allgather(seen)
+    for rank, mine in enumerate(every):
+        told = [len(m) for m in mine]
+        assert told == ([0, 1, 0, 0] if rank == root else [0, 0, 0, 0]), f"rank {rank}: {mine}"
+    said = every[root][1][0]
+    assert "MPIDP_EXACT_KERNELS=numpy" in said and "pip install numba" in said and "import torch" in said
+
+
 def test_every_rank_must_ask_for_it(comm: MPI.Comm) -> None:
     if comm.size == 1:
         pytest.skip("needs two ranks")

@@ -79,7 +79,8 @@ def setup(
     chunk = int(chunk_bytes) // 4 * 4
     reduction, why = reduction_mode()
     casts, why_casts = cast_strategy()
-    error = error or why or why_casts
+    name, why_name = _name(options.get("name"))
+    error = error or why or why_casts or why_name
     exact = options.get("exact", False)
     if not isinstance(exact, bool):
         error = error or f"exact must be True or False, got {exact!r}"
@@ -97,8 +98,15 @@ def setup(
             error = f"could not allocate the chunk buffers (chunk_bytes={chunk_bytes}, {found.device}): {type(e).__name__}: {e}"
     heads = [a for i, (e, a) in enumerate(zip(found.contract, found.arrays)) if e.alias == i]
     runs = layout.runs(heads, found.device) if error is None else None
-    setup = Setup(found.contract, int(root), chunk, on_host(found), runs, regions.entries, reduction, exact is True)
+    setup = Setup(found.contract, int(root), chunk, on_host(found), runs, regions.entries, reduction, exact is True, name)
     return Found(setup, error, found, aware, stage, gpu, scatter, casts)
+
+
+def _name(name: Any) -> tuple[str | None, str | None]:
+    """The session's name (``initialize(..., name=)``), and why it is invalid, or None (local)."""
+    if name is None or isinstance(name, str):
+        return name, None
+    return None, f"name must be a str or None, got {type(name).__name__} {name!r}"
 
 
 def reduction_mode() -> tuple[str, str | None]:

@@ -85,7 +85,7 @@ class DataParallel:
     or overlap (:mod:`mpidp.exact`, :mod:`mpidp.exact_buckets`,
     docs/reproducibility.md).
 
-    ``chunk_bytes``, ``abort_on_exception`` and ``timeout`` are those of
+    ``chunk_bytes``, ``abort_on_exception``, ``timeout`` and ``name`` are those of
     :meth:`mpidp.DataParallel.initialize`. Raises ContractError on every rank,
     before anything is modified, if any rank's model is invalid or differs
     from another's (with ``flat_parameters``, the old ``p.data`` is put back).
@@ -104,6 +104,7 @@ class DataParallel:
         overlap: bool | str = False,
         bucket_bytes: int | None = None,
         exact: bool = False,
+        name: str | None = None,
     ) -> None:
         self._module = model
         error = torch_model.check_module(model)
@@ -117,6 +118,7 @@ class DataParallel:
         if flat_parameters and error is None:
             moved, error = torch_model.flatten(self._params)
         options = {"chunk_bytes": chunk_bytes, "device": None, "abort_on_exception": abort_on_exception, "timeout": timeout, "exact": exact}
+        options["name"] = name
         try:  # the buffers are agreed on and moved with the parameters: one record, one communicator
             self._core = core.start(self._params, comm, root, frozen, options, regions._replace(error=error))
         except BaseException:

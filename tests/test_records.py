@@ -68,7 +68,7 @@ def same_everywhere(size: int, run: Any) -> str:
 
 def test_setup_record_is_plain_data_by_name() -> None:
     encoded = setup().encode("oops")
-    assert sorted(encoded) == ["chunk_bytes", "contract", "error", "exact", "on_host", "reduction", "regions", "root", "runs"]
+    assert sorted(encoded) == ["chunk_bytes", "contract", "error", "exact", "name", "on_host", "reduction", "regions", "root", "runs"]
     decoded, error = Setup.decode(loads(pickle.dumps(encoded)))  # through the restricted unpickler
     assert decoded == setup() and error == "oops"
 
@@ -144,7 +144,7 @@ def agree_window(rows: list[dict[str, Any]]) -> list[list[int]]:
 
 def test_a_frame_starts_with_the_operation_and_the_error_flag() -> None:
     frame = Frame(Window.body(3))
-    assert frame.width == 2 + 4 + 1  # kind, error; step, policy, weight, the adapter's extra word; one presence word
+    assert frame.width == 3 + 4 + 1  # kind, error, session; step, policy, weight, the adapter's extra word; one presence word
     f = frame.new(VERIFY)
     assert f.dtype == np.uint64 and f[KIND] == VERIFY and not f[1:].any()
 
@@ -240,7 +240,7 @@ def test_verify_and_regions_records_by_name() -> None:
     assert Verify.crcs([frame.tolist(), frame.tolist()], 3).tolist() == [[7, 8, 9], [7, 8, 9]]
     assert RegionsRecord.digest(BUFFERS) == RegionsRecord.digest(tuple(BUFFERS))
     assert RegionsRecord.digest(BUFFERS) != RegionsRecord.digest(BUFFERS[:1])
-    rows = [[REGIONS, 0, RegionsRecord.digest(b)] for b in (BUFFERS, BUFFERS, BUFFERS[:1])]
+    rows = [[REGIONS, 0, 0, RegionsRecord.digest(b)] for b in (BUFFERS, BUFFERS, BUFFERS[:1])]
     assert RegionsRecord.differ(rows) and not RegionsRecord.differ(rows[:2])
     sent = [tuple(tuple(r) for r in b) for b in (BUFFERS, BUFFERS[:1])]
     assert regions_disagreement(RegionsRecord.decode(sent)) == "rank 1 differs from rank 0: 1 buffers, rank 0 has 2 (missing 'n')"
@@ -255,7 +255,7 @@ def test_the_open_record_divides_only_where_every_rank_gave_a_weight_and_none_is
     from mpidp.records import OPEN, OPERATIONS, Open
 
     def rows(*weights: int | None, closing: tuple[int, ...] = ()) -> list[list[int]]:
-        return [[OPEN, 0, 0 if w is None else w + 1, int(r in closing)] for r, w in enumerate(weights)]
+        return [[OPEN, 0, 0, 0 if w is None else w + 1, int(r in closing)] for r, w in enumerate(weights)]
 
     assert Open.divisor(rows(3, 4)) == 7
     assert Open.divisor(rows(3, None)) is None and Open.divisor(rows(3, 0)) is None

@@ -126,8 +126,8 @@ class DataParallel:
                 p.data = old
             raise
         first: dict[int, str] = {}
-        for name in sorted(self._params):
-            first.setdefault(id(self._params[name]), name)
+        for key in sorted(self._params):
+            first.setdefault(id(self._params[key]), key)
         #: the first name (in contract order) of every tie group, frozen ones included
         self._heads = tuple(first.values())
         self._trainable = frozenset(self._core.trainable)

@@ -156,7 +156,9 @@ class Communicator:
         self.job.members[self.session] = self
         try:
             announce(self)
-        except BaseException:
+        except BaseException:  # the ranks elsewhere never numbered it: neither does this one
+            if self.job.made == self.session:
+                self.job.made -= 1
             self._leave()
             raise
 

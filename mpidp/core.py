@@ -98,7 +98,7 @@ class DataParallel(Session):
         Raises ContractError on every rank if any rank's replica is invalid
         or differs from another's; nothing is modified then.
         """
-        options = {"chunk_bytes": chunk_bytes, "device": device, "abort_on_exception": abort_on_exception, "timeout": timeout}
+        options: dict[str, Any] = {"chunk_bytes": chunk_bytes, "device": device, "abort_on_exception": abort_on_exception, "timeout": timeout}
         options.update(exact=exact, name=name)
         return start(params, comm, root, frozen, options, checks.NO_REGIONS)
 

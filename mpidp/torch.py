@@ -117,8 +117,8 @@ class DataParallel:
         moved: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
         if flat_parameters and error is None:
             moved, error = torch_model.flatten(self._params)
-        options = {"chunk_bytes": chunk_bytes, "device": None, "abort_on_exception": abort_on_exception, "timeout": timeout, "exact": exact}
-        options["name"] = name
+        options: dict[str, Any] = {"chunk_bytes": chunk_bytes, "device": None, "abort_on_exception": abort_on_exception, "timeout": timeout}
+        options.update(exact=exact, name=name)
         try:  # the buffers are agreed on and moved with the parameters: one record, one communicator
             self._core = core.start(self._params, comm, root, frozen, options, regions._replace(error=error))
         except BaseException:

@@ -259,6 +259,11 @@ def test_two_torch_models_reduced_in_different_orders_are_one_error_everywhere(c
         message = same_error_everywhere(comm, run, ContractError, "ranks are in different mpidp sessions: rank 0 in ", ORDER)
         assert label(dp_lm._core) in message and label(dp_critic._core) in message, message
         assert time.monotonic() - start < 5, message
+        for model, dp in ((lm, dp_lm), (critic, dp_critic)):  # both usable again, in one order
+            model.zero_grad(set_to_none=True)
+            dp.reduce(local_weight=window(comm, lm) if model is lm else _critic_window(comm, critic, 1))
+            every = comm.allgather([p.grad.numpy().tobytes() for p in model.parameters()])
+            assert all(e == every[0] for e in every)
     finally:
         dp_critic.close()
         dp_lm.close()

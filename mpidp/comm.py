@@ -129,7 +129,7 @@ class Communicator:
         #: the job this session belongs to (None: a communicator of its own, agreeing on itself)
         self.job: Job | None = None
         self.session = 0  # its number in the job (0: none)
-        self.label = "session 0"
+        self.label = ""  # how every rank names its session (``session 2 ('critic')``; empty: no job)
         #: how the session that owns it closes without agreeing (a rank closes it while this one is elsewhere)
         self.closer: Callable[[], None] | None = None
         if arm is not None:
@@ -150,10 +150,11 @@ class Communicator:
     def _join(self, comm: MPI.Comm, announce: Callable[[Communicator], object]) -> None:
         """Become the next session of ``comm``'s job, then ``announce`` it there (collective; nothing held if it raises)."""
         self.job = _join(comm)
-        self.job.made += 1
-        self.session = self.job.made
-        self.label = f"session {self.session}"
-        self.job.members[self.session] = self
+        with self.job.lock:
+            self.job.made += 1
+            self.session = self.job.made
+            self.label = f"session {self.session}"
+            self.job.members[self.session] = self
         try:
             announce(self)
         except BaseException:  # the ranks elsewhere never numbered it: neither does this one
@@ -212,8 +213,8 @@ class Communicator:
         job = self.job
         members = [self] if job is None else list(job.members.values())
         now = time.monotonic()
-        places = [(m.label, m.operation, now - m.since) for m in members]
-        busy = [f"{label}: {operation}, for {waited:.1f} s" for label, operation, waited in places if operation is not None]
+        places = [(m.label, m.operation, now - m.since) for m in members]  # (read while the main thread goes on)
+        busy = [f"{label}: {op}, for {waited:.1f} s" if label else f"{op}, for {waited:.1f} s" for label, op, waited in places if op is not None]
         return "; ".join(busy) if busy else "in no mpidp collective (in its own code, or waiting outside mpidp)"
 
     def answer_where(self) -> None:

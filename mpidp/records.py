@@ -46,7 +46,7 @@ if TYPE_CHECKING:
     from .comm import Communicator
 
 __all__ = [
-    "CLOSE", "INITIALIZE", "JOIN", "OPEN", "REGIONS", "U64_MAX", "VERIFY", "WINDOW", "Close", "Frame", "Join", "Open", "OperationsDiffer",
+    "CLOSE", "INITIALIZE", "JOIN", "OPEN", "REGIONS", "SESSION", "U64_MAX", "VERIFY", "WINDOW", "Close", "Frame", "Join", "Open", "OperationsDiffer",
     "RegionsRecord", "Setup", "Verify", "Window", "agree", "regions_disagreement",
 ]
 

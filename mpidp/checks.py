@@ -71,18 +71,13 @@ def setup(
             error = error or "GPU arrays need CuPy (pip install mpidp[cupy])"
         except ValueError as e:
             error = error or str(e)
-    if isinstance(root, bool) or not isinstance(root, numbers.Integral) or not 0 <= int(root) < c.size:
-        error = error or f"root {root!r} is outside the world of {c.size} ranks"
-        root = -1
-    chunk_bytes = options["chunk_bytes"]
-    if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, numbers.Integral) or int(chunk_bytes) < 4096:
-        error = error or f"chunk_bytes must be an integer of at least 4096, got {chunk_bytes!r}"
-        chunk_bytes = 0
-    chunk = int(chunk_bytes) // 4 * 4
+    root, chunk, why_numbers = _root_and_chunk(root, options["chunk_bytes"], c.size)
+    error = error or why_numbers
     reduction, why = reduction_mode()
     casts, why_casts = cast_strategy()
     exact_mode, why_exact = exact_kernels()
-    error = error or why or why_casts or why_exact
+    name, why_name = _name(options.get("name"))
+    error = error or why or why_casts or why_exact or why_name
     exact = options.get("exact", False)
     if not isinstance(exact, bool):
         error = error or f"exact must be True or False, got {exact!r}"
@@ -97,11 +92,30 @@ def setup(
             if gpu is None and (reduction == "reduce_scatter" or (reduction == "auto" and c.size > 1)):
                 scatter = packing.Scatter.allocate(c.rank, c.size, reduction, chunk // 4)
         except Exception as e:  # noqa: BLE001 - reported to every rank, never raised alone
-            error = f"could not allocate the chunk buffers (chunk_bytes={chunk_bytes}, {found.device}): {type(e).__name__}: {e}"
+            error = f"could not allocate the chunk buffers (chunk_bytes={options['chunk_bytes']}, {found.device}): {type(e).__name__}: {e}"
     heads = [a for i, (e, a) in enumerate(zip(found.contract, found.arrays)) if e.alias == i]
     runs = layout.runs(heads, found.device) if error is None else None
-    setup = Setup(found.contract, int(root), chunk, on_host(found), runs, regions.entries, reduction, exact is True)
+    setup = Setup(found.contract, int(root), chunk, on_host(found), runs, regions.entries, reduction, exact is True, name)
     return Found(setup, error, found, aware, stage, gpu, scatter, casts, exact_mode)
+
+
+def _root_and_chunk(root: Any, chunk_bytes: Any, size: int) -> tuple[Any, int, str | None]:
+    """The root (-1 where invalid), the chunk in bytes (0 where invalid) and the first error of the two (local)."""
+    error = None
+    if isinstance(root, bool) or not isinstance(root, numbers.Integral) or not 0 <= int(root) < size:
+        error = f"root {root!r} is outside the world of {size} ranks"
+        root = -1
+    if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, numbers.Integral) or int(chunk_bytes) < 4096:
+        error = error or f"chunk_bytes must be an integer of at least 4096, got {chunk_bytes!r}"
+        chunk_bytes = 0
+    return root, int(chunk_bytes) // 4 * 4, error
+
+
+def _name(name: Any) -> tuple[str | None, str | None]:
+    """The session's name (``initialize(..., name=)``), and why it is invalid, or None (local)."""
+    if name is None or isinstance(name, str):
+        return name, None
+    return None, f"name must be a str or None, got {type(name).__name__} {name!r}"
 
 
 def reduction_mode() -> tuple[str, str | None]:

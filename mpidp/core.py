@@ -24,7 +24,7 @@ from .exact import sums as exact
 from .layout import flat_parameters
 from .packing import DEFAULT_CHUNK_BYTES
 from .records import U64_MAX, Window
-from .session import Session
+from .session import Session, close_elsewhere
 from .window import Agreed, Checked, Given, MissingGradientPolicy, ReducedGradients
 
 T = TypeVar("T")
@@ -67,6 +67,7 @@ class DataParallel(Session):
         abort_on_exception: bool = True,
         timeout: float | None = None,
         exact: bool = False,
+        name: str | None = None,
     ) -> DataParallel:
         """Validate every rank's replica, agree, then broadcast it from ``root`` in place.
 
@@ -91,10 +92,16 @@ class DataParallel(Session):
         not on the world size, the reduction path or their order. Every
         rank must pass the same.
 
+        Sessions over the same ranks agree on one shared communicator: a
+        rank in one session's call while another is in a different session's
+        is one ContractError on every rank, naming each rank's call and session
+        (``session 2``: made second; with ``name``, every rank's alike, ``session 2 ('critic')``).
+
         Raises ContractError on every rank if any rank's replica is invalid
         or differs from another's; nothing is modified then.
         """
-        options = {"chunk_bytes": chunk_bytes, "device": device, "abort_on_exception": abort_on_exception, "timeout": timeout, "exact": exact}
+        options: dict[str, Any] = {"chunk_bytes": chunk_bytes, "device": device, "abort_on_exception": abort_on_exception, "timeout": timeout}
+        options.update(exact=exact, name=name)
         return start(params, comm, root, frozen, options, checks.NO_REGIONS)
 
     # ------------------------------------------------------------------ window
@@ -219,6 +226,8 @@ class DataParallel(Session):
         does; otherwise every rank holds the same facts of the window.
         """
         error = checked.error or error
+        if self._window_frame.size < self._comm.width:  # a session made since is wider: every rank's record grows alike
+            self._window_frame = self._frame.new(records.WINDOW, self._comm.width)
         Window.fill(self._window_frame, checked.step, checked.code, checked.weight, checked.presence, extra)
         if self._exact is not None:
             self._exact.words(self._window_frame)
@@ -353,7 +362,7 @@ def start(
             dogs.append(guard.Watchdog(c, timeout))
 
     try:
-        c = _mpi.duplicate(comm, arm)
+        c = _mpi.duplicate(comm, arm, _announce)
     except BaseException:
         for dog in dogs:
             dog.close()
@@ -363,6 +372,7 @@ def start(
         _warn_launch(c.rank == root)
         local = checks.setup(c, params, root, frozen, options, regions, setup_error)  # check locally
         everyone = records.agree(c, local.setup, local.error, "initialize: agreement")  # agree
+        c.label = f"session {c.session}" + ("" if everyone[0].name is None else f" ({everyone[0].name!r})")
         self = DataParallel(c, params, local, watchdog)
         self._broadcast(everyone)  # move
         self._move_regions(regions, "buffers: Bcast")
@@ -378,6 +388,20 @@ def start(
         guard.install_abort_hook(_mpi.world().rank, bool(options["abort_on_exception"]))
     guard.close_at_exit(self, self._close_at_exit)
     return self
+
+
+def _announce(c: Communicator) -> None:
+    """Tell the job's other sessions that every rank makes session ``c.session`` (collective, on the job's communicator).
+
+    A rank in another session's call meanwhile is one ContractError on every
+    rank, as between the calls of one session; a session some rank is closing
+    is closed on every rank.
+    """
+    try:
+        records.agree(c, records.Frame(0).new(records.INITIALIZE, c.width), None, "initialize: announcing the session")
+    except records.OperationsDiffer as e:
+        close_elsewhere(c, e.closes)
+        raise ContractError(str(e)) from None
 
 
 def _warn_launch(root: bool) -> None:

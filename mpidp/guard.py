@@ -19,6 +19,7 @@ from .comm import Communicator
 
 __all__ = [
     "DEFAULT_TIMEOUT", "Watchdog", "close_at_exit", "fatal", "forget_at_exit", "install_abort_hook", "resolve_timeout", "timeout_from_env",
+    "where_every_rank_is",
 ]
 
 #: the watchdog's seconds when neither ``timeout=`` nor ``MPIDP_TIMEOUT`` says otherwise: 30 minutes,
@@ -169,15 +170,19 @@ def resolve_timeout(timeout: object) -> float | None:
 class Watchdog:
     """Abort the job when this rank waits in one mpidp collective longer than ``timeout``.
 
-    Before aborting it prints the operation, the rank and every thread's
-    stack to stderr, then waits a moment so that every other waiting rank
-    prints its report too. Runs as a daemon thread that only reads two fields of
-    the communicator, so the collective path pays nothing but a timestamp.
+    Before aborting it prints the operation, the rank, where every rank of
+    the job is (the session and operation each is in, asked of the other
+    ranks' watchdogs) and every thread's stack to stderr, then waits a
+    moment so that every other waiting rank prints its report too. Runs as
+    a daemon thread that reads two fields of the communicator and, with
+    ``MPI_THREAD_MULTIPLE``, answers the other ranks' watchdogs once per
+    poll, so the collective path pays nothing but a timestamp.
     """
 
     def __init__(self, comm: Communicator, timeout: float) -> None:
         self.comm = comm
         self.timeout = timeout
+        self._asks = _mpi.thread_multiple()  # the question where every rank is needs MPI from this thread
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="mpidp-watchdog", daemon=True)
         self._thread.start()
@@ -188,6 +193,8 @@ class Watchdog:
     def _run(self) -> None:
         poll = max(0.01, min(1.0, self.timeout / 4))
         while not self._stop.wait(poll):
+            if self._asks:
+                self._answer()
             operation, since = self.comm.operation, self.comm.since
             if operation is None:
                 continue
@@ -196,11 +203,44 @@ class Watchdog:
                 continue
             sys.stderr.write(
                 f"mpidp watchdog: rank {self.comm.rank} has waited {waited:.1f} s in {operation} "
-                f"(timeout {self.timeout:g} s); aborting the MPI job. Stacks:\n"
+                f"(timeout {self.timeout:g} s); aborting the MPI job.\n"
             )
+            sys.stderr.flush()
+            grace = min(2.0, self.timeout / 2)  # for the other ranks' answers, then for their own reports
+            start = time.monotonic()
+            sys.stderr.write(where_every_rank_is(self.comm, self._ask(grace), grace) + "mpidp watchdog: stacks:\n")
             sys.stderr.flush()
             faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
             sys.stderr.flush()
             # let the other waiting ranks print their own report before the job goes down
-            time.sleep(min(2.0, self.timeout / 2))
+            time.sleep(max(0.5 * grace, grace - (time.monotonic() - start)))
             _mpi.abort(1)
+
+    def _answer(self) -> None:
+        """Tell the ranks that asked where this one is (never raises: a failure here only leaves them unanswered)."""
+        try:
+            self.comm.answer_where()
+        except Exception:  # noqa: BLE001, S110 - the watchdog must go on watching
+            pass
+
+    def _ask(self, seconds: float) -> list[str | None]:
+        """Every rank's place (this one's at least), asked of the others for ``seconds`` where MPI allows it."""
+        note = " (MPI has no MPI_THREAD_MULTIPLE: the others were not asked)"
+        if self._asks:
+            try:
+                return self.comm.ask_where(seconds)
+            except Exception as e:  # noqa: BLE001 - the report goes on without the others' answers
+                note = f" (asking the others failed: {type(e).__name__}: {e})"
+        places: list[str | None] = [None] * self.comm.size
+        places[self.comm.rank] = self.comm.where() + note
+        return places
+
+
+def where_every_rank_is(comm: Communicator, places: list[str | None], seconds: float) -> str:
+    """The watchdog's lines naming where every rank is, from ``places`` (None: no answer within ``seconds``)."""
+    lines = [f"mpidp watchdog: where every rank is (rank {comm.rank} asked; each rank's sessions and the operation each is in):\n"]
+    for rank, place in enumerate(places):
+        if place is None:
+            place = f"no answer within {seconds:g} s (its watchdog is off, or its process holds the interpreter or is gone)"
+        lines.append(f"mpidp watchdog:   rank {rank}: {place}\n")
+    return "".join(lines)

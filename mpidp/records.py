@@ -7,10 +7,17 @@ for every operation of the session, so that ranks in different operations
 still match in MPI and learn that they are::
 
     word 0   KIND     which operation: WINDOW (reduce), VERIFY, REGIONS (broadcast_buffers), JOIN, CLOSE,
-                      OPEN (an overlapped window, before its first bucket call),
+                      OPEN (an overlapped window, before its first bucket call), INITIALIZE (a new session),
+                      OPTIMIZER (a sharded optimizer's agreement: mpidp.optim),
                       SAVE, LOAD, STOP (a checkpoint's steps and a stop request: mpidp.checkpoint)
     word 1   ERROR    1 when this rank found an error before the exchange
-    word 2.. body     the operation's own fields, named by its class (:class:`Window`, ...)
+    word 2   SESSION  which session of the job (its number, 1, 2, ... in the order they were made; 0: none)
+    word 3.. body     the operation's own fields, named by its class (:class:`Window`, ...)
+
+Every session over the same ranks exchanges its frames on one communicator
+of the job (:class:`mpidp.comm.Job`), each as wide as the widest session's,
+so that ranks in different sessions' operations also match in MPI and learn
+that they are: the same :class:`OperationsDiffer`, naming the sessions.
 
 :func:`agree` is the step between checking locally and moving bytes: it
 exchanges the records and raises the same ContractError on every rank when
@@ -18,7 +25,7 @@ ranks are in different operations, any rank reported an error (the first
 such rank's text; a frame fetches the texts only then), or the records
 disagree on what must be equal. After it returns no rank can diverge.
 Ranks in different operations raise :class:`OperationsDiffer`, which names
-every rank's operation and says whether one of them is ``close``: then the
+every rank's operation (and session) and says whether one of them is ``close``: then the
 session closes on every rank (``close`` takes part in the agreement so that
 a rank that skipped or added a call is an error at once, not a hang).
 Everything but :func:`agree` is pure: tests build tables by hand.
@@ -41,24 +48,24 @@ if TYPE_CHECKING:
     from .comm import Communicator
 
 __all__ = [
-    "CLOSE", "JOIN", "LOAD", "OPEN", "OPTIMIZER", "REGIONS", "SAVE", "STOP", "U64_MAX", "VERIFY", "WINDOW", "Close", "Frame", "Join", "Open",
-    "OperationsDiffer",
+    "CLOSE", "INITIALIZE", "JOIN", "LOAD", "OPEN", "OPTIMIZER", "REGIONS", "SAVE", "SESSION", "STOP", "U64_MAX", "VERIFY", "WINDOW",
+    "Close", "Frame", "Join", "Open", "OperationsDiffer",
     "RegionsRecord", "Setup", "Verify", "Window", "agree", "regions_disagreement",
 ]
 
 U64_MAX = (1 << 64) - 1
 #: operation kinds (word 0 of a frame)
-WINDOW, VERIFY, REGIONS, JOIN, CLOSE, OPEN = 1, 2, 3, 4, 5, 6
-OPTIMIZER = 7  # a sharded optimizer's agreement (mpidp.optim): its description's digest in word BODY
-SAVE, LOAD, STOP = 8, 9, 10  # a checkpoint's steps and a stop request (mpidp.checkpoint)
+WINDOW, VERIFY, REGIONS, JOIN, CLOSE, OPEN, INITIALIZE = 1, 2, 3, 4, 5, 6, 7
+OPTIMIZER = 8  # a sharded optimizer's agreement (mpidp.optim): its description's digest in word BODY
+SAVE, LOAD, STOP = 9, 10, 11  # a checkpoint's steps and a stop request (mpidp.checkpoint)
 OPERATIONS = {
     WINDOW: "reduce", VERIFY: "verify_replicas", REGIONS: "broadcast_buffers", JOIN: "join", CLOSE: "close",
-    OPEN: "reduce (starting its overlapped buckets)",
+    OPEN: "reduce (starting its overlapped buckets)", INITIALIZE: "initialize",
     OPTIMIZER: "a sharded optimizer's agreement",
     SAVE: "checkpoint save", LOAD: "checkpoint load", STOP: "checkpoint stop request",
 }
 #: the words every frame starts with
-KIND, ERROR, BODY = 0, 1, 2
+KIND, ERROR, SESSION, BODY = 0, 1, 2, 3
 
 Rows = list[list[int]]
 #: judges a table every rank holds alike: what the ranks disagree on, or None
@@ -85,6 +92,8 @@ class Setup:
     reduction: str = "auto"
     #: the exact reduction (:mod:`mpidp.exact`): every rank must choose alike
     exact: bool = False
+    #: the name the user gave the session (``initialize(..., name=)``), in the errors that name it; every rank's alike
+    name: str | None = None
 
     def encode(self, error: str | None) -> dict[str, Any]:
         """Plain data by field name, with this rank's error (the restricted unpickler admits nothing else)."""
@@ -121,6 +130,8 @@ class Setup:
                 return f"rank {rank} uses MPIDP_REDUCTION={r.reduction!r}, rank 0 MPIDP_REDUCTION={head.reduction!r}"
             if r.exact != head.exact:
                 return f"rank {rank} passes exact={r.exact}, rank 0 exact={head.exact}: every rank must pass the same"
+            if r.name != head.name:
+                return f"rank {rank} passes name={r.name!r}, rank 0 name={head.name!r}: every rank must pass the same"
         return None
 
 
@@ -145,9 +156,9 @@ class Frame:
     def __init__(self, body: int) -> None:
         self.width = BODY + body
 
-    def new(self, kind: int) -> np.ndarray:
-        """A zeroed frame of operation ``kind``."""
-        frame = np.zeros(self.width, dtype=np.uint64)
+    def new(self, kind: int, width: int = 0) -> np.ndarray:
+        """A zeroed frame of operation ``kind``, at least ``width`` words (the job's frame width)."""
+        frame = np.zeros(max(self.width, width), dtype=np.uint64)
         frame[KIND] = kind
         return frame
 
@@ -316,7 +327,8 @@ def agree(
     ...``), then what ``judge`` finds (for a Setup: :meth:`Setup.disagreement`).
     Frame words ``[0, agreed)`` must be equal on every rank; ``judge`` is
     asked only when they are not (the usual exchange costs one comparison
-    per rank).
+    per rank). A frame is exchanged on the job's communicator, marked with
+    the session's number and as wide as the job's frames (padded if narrower).
     """
     if isinstance(mine, Setup):
         sent = [Setup.decode(r) for r in comm.allgather_obj(mine.encode(error), operation)]
@@ -325,11 +337,14 @@ def agree(
         refuse(Setup.disagreement(records))
         return records
     mine[ERROR] = error is not None
-    rows: Rows = comm.Allgather(mine, operation).tolist()
+    mine[SESSION] = comm.session
+    if mine.size < comm.width:
+        mine = np.concatenate([mine, np.zeros(comm.width - mine.size, dtype=mine.dtype)])
+    rows: Rows = comm.Exchange(mine, operation).tolist()
     head = rows[0][:agreed]
     if head[ERROR] or any(r[:agreed] != head for r in rows):
-        if first_different([r[KIND] for r in rows]) is not None:
-            raise OperationsDiffer(rows)
+        if first_different([r[KIND] for r in rows]) is not None or first_different([r[SESSION] for r in rows]) is not None:
+            raise OperationsDiffer(rows, comm.sessions(), comm.session)
         if any(r[ERROR] for r in rows):
             _raise_first_error(comm.allgather_obj(error, f"{operation}: error texts"))
             raise ContractError("ranks disagree on whether an error occurred")  # pragma: no cover - records misread
@@ -339,27 +354,43 @@ def agree(
 
 
 class OperationsDiffer(ContractError):
-    """Ranks are in different mpidp operations (every rank raises it alike, from the same kinds).
+    """Ranks are in different mpidp operations, or in different sessions' (every rank raises it alike, from the same rows).
 
     The text names rank 0's operation and the first rank in another, then,
-    at more than two ranks, where every rank is. :attr:`closing` is whether
-    a rank is in ``close``: the session then closes on every rank (the
-    closing rank asked for it; the others cannot go on without it).
+    at more than two ranks, where every rank is; where the sessions differ,
+    each operation with its session (``sessions`` names one by its number,
+    alike on every rank). :attr:`closes` are the sessions some rank is in
+    ``close`` of: each then closes on every rank (the closing rank asked for
+    it; the others cannot go on without it); :attr:`closing` is whether
+    ``mine``, the session of the rank that raises, is one of them.
     """
 
-    def __init__(self, rows: Rows) -> None:
+    def __init__(self, rows: Rows, sessions: Callable[[int], str] | None = None, mine: int = 0) -> None:
         self.kinds = tuple(r[KIND] for r in rows)
-        self.closing = CLOSE in self.kinds
-        name = [_operation(r) for r in rows]
-        other = first_different(self.kinds) or 0
-        text = f"ranks are in different mpidp operations: rank 0 in {name[0]}, rank {other} in {name[other]}"
+        numbers = [r[SESSION] for r in rows]
+        self.closes = tuple(sorted({n for n, kind in zip(numbers, self.kinds) if kind == CLOSE}))
+        self.closing = mine in self.closes
+        label = sessions or (lambda n: f"session {n}")
+        across = first_different(numbers) is not None
+        name = [_operation(r) + (f" of {label(r[SESSION])}" if across else "") for r in rows]
+        other = first_different(list(zip(self.kinds, numbers))) or 0
+        what = "sessions" if across else "operations"
+        text = f"ranks are in different mpidp {what}: rank 0 in {name[0]}, rank {other} in {name[other]}"
         if len(self.kinds) > 2:
             text += f" (every rank: {everyone(name)})"
-        if self.closing:
+        if across:
+            text += (
+                "; every rank must call the sessions made on one communicator in the same order (each session's "
+                "calls wait for that session's calls on every other rank)"
+            )
+        if self.closes and not across:
             text += (
                 "; every rank must make the same mpidp calls in the same order (did a rank skip a reduce, "
                 "or call one alone?); the session is now closed on every rank"
             )
+        elif self.closes:
+            closed = " and ".join(label(n) for n in self.closes)
+            text += f"; {closed} {'is' if len(self.closes) == 1 else 'are'} now closed on every rank"
         super().__init__(text)
 
 
@@ -403,7 +434,7 @@ def _raise_first_error(errors: Sequence[str | None]) -> None:
             raise ContractError(f"rank {rank}: {error}")
 
 
-def first_different(column: Sequence[int]) -> int | None:
+def first_different(column: Sequence[Any]) -> int | None:
     """The first rank whose value differs from rank 0's, or None when all agree."""
     first = column[0]
     return next((rank for rank, value in enumerate(column) if value != first), None)

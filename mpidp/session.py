@@ -28,7 +28,7 @@ from .window import Cache, MissingGradientPolicy, Slots, Transport, check_replic
 
 T = TypeVar("T")
 
-__all__ = ["Session"]
+__all__ = ["Session", "close_elsewhere"]
 
 
 class Session:
@@ -59,7 +59,9 @@ class Session:
             self._exact = exact_window.ExactWindow(self._slots, Window.PRESENCE + self._slots.words, order, local.exact_mode)
         extra = len(self._slots) if self._exact is not None else 0  # a word per slot: its exact facts
         self._frame = Frame(max(Window.body(len(self._slots)) + extra, len(self._heads), 1))
-        self._window_frame = self._frame.new(records.WINDOW)  # reused: Allgather copies it out
+        comm.widen(self._frame.width)  # every session's records of the job are as wide as the widest's (agreed facts)
+        comm.closer = self._closed_elsewhere  # a rank that closes it while this one is in another session's call
+        self._window_frame = self._frame.new(records.WINDOW, comm.width)  # reused: Allgather copies it out
         self._judge = Window.judge(MissingGradientPolicy)
         self._cache = Cache()
         self._window = 0
@@ -238,14 +240,18 @@ class Session:
             )
 
     def _agree(self, frame: np.ndarray, error: str | None, operation: str, judge: records.Judge | None = None, agreed: int = records.BODY) -> Any:
-        """:func:`records.agree` on this session; where a rank is in :meth:`close`, every rank closes, then raises (collective)."""
+        """:func:`records.agree` on this session; where a rank is in :meth:`close` (of any session of the job),
+        every rank closes that session, then raises (collective)."""
         try:
             return records.agree(self._comm, frame, error, operation, judge, agreed)
         except records.OperationsDiffer as e:
-            if e.closing:
-                self._closing = True
-                self.close()
+            close_elsewhere(self._comm, e.closes)
             raise ContractError(str(e)) from None  # the user's error type, as for every other refusal
+
+    def _closed_elsewhere(self) -> None:
+        """Close without agreeing: every rank learned that a rank closes this session (collective)."""
+        self._closing = True
+        self.close()
 
     def close(self, then: Callable[[], None] | None = None) -> None:
         """Agree that every rank closes, then free the private communicator (collective). Idempotent.
@@ -291,8 +297,11 @@ class Session:
         except CollectiveError as e:
             self._failed = str(e)
             return e
-        except ContractError as e:  # ranks in different operations: closed on every rank
+        except records.OperationsDiffer as e:  # ranks in different operations: closed on every rank, with what they close
+            close_elsewhere(self._comm, [n for n in e.closes if n != self._comm.session])
             return ContractError(str(e))
+        except ContractError as e:
+            return ContractError(str(e))  # pragma: no cover - a close agreement refuses only on different operations
         return None
 
     def _close_at_exit(self) -> None:
@@ -303,3 +312,13 @@ class Session:
     def __exit__(self, *exc: object) -> None:
         """Close the session (collective, like :meth:`close`)."""
         self.close()
+
+
+def close_elsewhere(comm: Communicator, sessions: Iterable[int]) -> None:
+    """Close each of the job's ``sessions`` still open on this rank, as a rank in its ``close`` asked (collective)."""
+    job = comm.job
+    for number in sessions:
+        member = comm if job is None else job.members.get(number)
+        closer = None if member is None else member.closer
+        if closer is not None:
+            closer()

@@ -3,7 +3,9 @@
 ``Table(rank, others)`` plays rank ``rank``; ``others`` holds what every
 rank sends (this rank's entry is replaced by what it passes), for
 ``Allgather`` (fixed frames) and ``allgather_obj`` (pickled records, and
-the error texts a frame exchange fetches). Every object goes through the
+the error texts a frame exchange fetches; ``Exchange``, the job's frames,
+is ``Allgather`` too). ``session`` is the number of the session this rank
+agrees for; ``names`` how every rank names the job's sessions. Every object goes through the
 same restricted unpickler as MPI traffic. Lets the consensus room be tested
 in one process, once per simulated rank, with no MPI.
 """
@@ -19,8 +21,14 @@ from mpidp.comm import loads
 
 
 class Table:
-    def __init__(self, rank: int, frames: list[np.ndarray] | None = None, objects: list[list[Any]] | None = None) -> None:
+    def __init__(
+        self, rank: int, frames: list[np.ndarray] | None = None, objects: list[list[Any]] | None = None,
+        session: int = 0, names: dict[int, str] | None = None,
+    ) -> None:
         self.rank = rank
+        self.session = session
+        self.width = 0
+        self.names = names or {}
         self.size = len(frames if frames is not None else (objects or [[]])[0])
         self.frames = frames
         self.objects = list(objects or [])  # one list per allgather_obj call, in call order
@@ -33,6 +41,12 @@ class Table:
         self.calls.append(operation)
         rows = [record.copy() if r == self.rank else f for r, f in enumerate(self.frames)]
         return np.stack(rows)
+
+    def Exchange(self, record: np.ndarray, operation: str) -> np.ndarray:
+        return self.Allgather(record, operation)
+
+    def sessions(self) -> Any:
+        return lambda n: self.names.get(n, f"session {n}")
 
     def allgather_obj(self, obj: Any, operation: str = "allgather_obj") -> list[Any]:
         self.calls.append(operation)

@@ -173,6 +173,18 @@ def test_window_profile_runs_and_names_the_mpi_time() -> None:
     assert "comm.py" in p.stdout and "(Allreduce)" in p.stdout, p.stdout
 
 
+@pytest.mark.parametrize("sessions", ["1", "2"])
+def test_the_agreement_probe_runs_with_one_session_or_two(sessions: str) -> None:
+    """benchmarks/probes/agreement.py: a 2-rank run prints the microseconds per reduce."""
+    script = ROOT / "benchmarks" / "probes" / "agreement.py"
+    p = subprocess.run(
+        [MPIEXEC, "-n", "2", sys.executable, "-m", "mpi4py", str(script), "--calls", "20", "--rounds", "2", "--sessions", sessions],
+        check=False, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=TIMEOUT, env=clean_env(), cwd=ROOT,
+    )
+    assert p.returncode == 0, p.stdout
+    assert re.search(rf"2 ranks, {sessions} session\(s\): [\d.]+ us per call", p.stdout), p.stdout
+
+
 GPU_BENCH = ROOT / "benchmarks" / "gpu_bench.py"
 
 

@@ -159,8 +159,8 @@ def test_close_agrees_even_alone(comm: MPI.Comm) -> None:
     """A clean close is one agreement, then the frees (every rank in close: no error)."""
     dp = mpidp.DataParallel.initialize(model(0), comm)
     seen: list[str] = []
-    allgather = dp._comm.Allgather
-    dp._comm.Allgather = lambda record, operation: seen.append(operation) or allgather(record, operation)
+    exchange = dp._comm.Exchange
+    dp._comm.Exchange = lambda record, operation: seen.append(operation) or exchange(record, operation)
     dp.close()
     assert seen == ["close: agreement"]
     assert dp._comm.comm == MPI.COMM_NULL

@@ -64,6 +64,37 @@ def test_watchdog_aborts_a_rank_that_skipped_a_reduce() -> None:
         assert re.search(rf"mpidp watchdog: rank {rank} has waited [\d.]+ s in reduce \(window 6\): exchange", out), out
     assert "Thread" in out and "train.py" in out  # the stacks
     assert after <= 3 + 5, f"the job took {after:.1f} s to end after the skip"
+    # where every rank is, as the other ranks' watchdogs answered (rank 3 waits in the user's own barrier)
+    assert re.search(r"mpidp watchdog:   rank 0: session 1: reduce \(window 6\): exchange, for [\d.]+ s", out), out
+    assert "mpidp watchdog:   rank 3: in no mpidp collective" in out, out
+
+
+#: the text every rank raises when rank 0 and the others call two sessions in different orders
+SESSIONS = (
+    "ContractError: ranks are in different mpidp sessions: rank 0 in {0} of session {1}, rank 1 in {2} of session {3} "
+    "(every rank: {0} of session {1} on rank 0, {2} of session {3} on ranks 1-3); every rank must call the sessions"
+)
+
+
+def test_two_sessions_called_in_different_orders_are_one_error_everywhere_at_once() -> None:
+    """Issue 44's job: rank 0 reduces the generator first, the others the critic: no wait for the watchdog."""
+    code, out, after = job("sessions", MPIDP_TIMEOUT="600")
+    assert code != 0, out
+    assert re.search(r"mpidp: uncaught ContractError on rank \d; aborting the MPI job", out), out
+    assert SESSIONS.format("reduce", "1 ('generator')", "reduce", "2 ('critic')") in out, out
+    assert "watchdog" not in out, out
+    assert after <= 5, f"the job took {after:.1f} s to end after the swap"
+
+
+def test_a_script_that_ends_while_the_others_reduce_another_session_closes_it_everywhere() -> None:
+    """Rank 0 closes the critic at exit while the others wait in the generator's reduce."""
+    code, out, after = job("sessions-exit", MPIDP_TIMEOUT="600")
+    assert code != 0, out
+    closing = "close (at interpreter exit: its script ended)"
+    assert SESSIONS.format(closing, "2 ('critic')", "reduce", "1 ('generator')") in out, out
+    assert "session 2 ('critic') is now closed on every rank" in out, out
+    assert "watchdog" not in out, out
+    assert after <= 5, f"the job took {after:.1f} s to end after rank 0's script ended"
 
 
 @pytest.mark.parametrize(("mode", "reducing"), [("extra", 3), ("one", 0)])

@@ -79,11 +79,22 @@ def test_the_abort_hook_prints_then_aborts_and_can_be_turned_off(
 
 
 class Waiting:
-    """What the watchdog reads of a communicator: the operation a rank is in, and since when."""
+    """What the watchdog reads of a communicator: the operation a rank is in, and since when; where the others are."""
 
     rank = 2
+    size = 4
     operation: str | None = None
     since = 0.0
+    answered = 0
+
+    def where(self) -> str:
+        return f"session 1: {self.operation}"
+
+    def answer_where(self) -> None:
+        self.answered += 1
+
+    def ask_where(self, seconds: float) -> list[str | None]:
+        return ["session 2 ('critic'): close: agreement, for 3.0 s", "in no mpidp collective", self.where(), None]
 
 
 def test_the_watchdog_aborts_a_rank_that_waits_too_long(aborts: list[int], capfd: pytest.CaptureFixture[str]) -> None:
@@ -99,6 +110,13 @@ def test_the_watchdog_aborts_a_rank_that_waits_too_long(aborts: list[int], capfd
         assert aborts[:1] == [1]
         err = capfd.readouterr().err
         assert "mpidp watchdog: rank 2 has waited" in err and "in reduce (window 4): exchange" in err
+        assert comm.answered > 0 or not guard._mpi.thread_multiple()  # it answered the others' watchdogs meanwhile
+        if guard._mpi.thread_multiple():  # every rank's place, as the others answered
+            assert "mpidp watchdog:   rank 0: session 2 ('critic'): close: agreement, for 3.0 s" in err
+            assert "mpidp watchdog:   rank 1: in no mpidp collective" in err
+            assert "mpidp watchdog:   rank 2: session 1: reduce (window 4): exchange" in err
+            assert "mpidp watchdog:   rank 3: no answer within 0.025 s" in err
+        assert err.index("where every rank is") < err.index("stacks:")
     finally:
         comm.operation = None
         dog.close()

@@ -19,9 +19,11 @@ from mpidp.contract import Entry, Region
 from mpidp.records import (
     CLOSE,
     ERROR,
+    INITIALIZE,
     JOIN,
     KIND,
     REGIONS,
+    SESSION,
     VERIFY,
     WINDOW,
     Close,
@@ -68,7 +70,7 @@ def same_everywhere(size: int, run: Any) -> str:
 
 def test_setup_record_is_plain_data_by_name() -> None:
     encoded = setup().encode("oops")
-    assert sorted(encoded) == ["chunk_bytes", "contract", "error", "exact", "on_host", "reduction", "regions", "root", "runs"]
+    assert sorted(encoded) == ["chunk_bytes", "contract", "error", "exact", "name", "on_host", "reduction", "regions", "root", "runs"]
     decoded, error = Setup.decode(loads(pickle.dumps(encoded)))  # through the restricted unpickler
     assert decoded == setup() and error == "oops"
 
@@ -144,7 +146,7 @@ def agree_window(rows: list[dict[str, Any]]) -> list[list[int]]:
 
 def test_a_frame_starts_with_the_operation_and_the_error_flag() -> None:
     frame = Frame(Window.body(3))
-    assert frame.width == 2 + 4 + 1  # kind, error; step, policy, weight, the adapter's extra word; one presence word
+    assert frame.width == 3 + 4 + 1  # kind, error, session; step, policy, weight, the adapter's extra word; one presence word
     f = frame.new(VERIFY)
     assert f.dtype == np.uint64 and f[KIND] == VERIFY and not f[1:].any()
 
@@ -240,7 +242,7 @@ def test_verify_and_regions_records_by_name() -> None:
     assert Verify.crcs([frame.tolist(), frame.tolist()], 3).tolist() == [[7, 8, 9], [7, 8, 9]]
     assert RegionsRecord.digest(BUFFERS) == RegionsRecord.digest(tuple(BUFFERS))
     assert RegionsRecord.digest(BUFFERS) != RegionsRecord.digest(BUFFERS[:1])
-    rows = [[REGIONS, 0, RegionsRecord.digest(b)] for b in (BUFFERS, BUFFERS, BUFFERS[:1])]
+    rows = [[REGIONS, 0, 0, RegionsRecord.digest(b)] for b in (BUFFERS, BUFFERS, BUFFERS[:1])]
     assert RegionsRecord.differ(rows) and not RegionsRecord.differ(rows[:2])
     sent = [tuple(tuple(r) for r in b) for b in (BUFFERS, BUFFERS[:1])]
     assert regions_disagreement(RegionsRecord.decode(sent)) == "rank 1 differs from rank 0: 1 buffers, rank 0 has 2 (missing 'n')"
@@ -255,7 +257,7 @@ def test_the_open_record_divides_only_where_every_rank_gave_a_weight_and_none_is
     from mpidp.records import OPEN, OPERATIONS, Open
 
     def rows(*weights: int | None, closing: tuple[int, ...] = ()) -> list[list[int]]:
-        return [[OPEN, 0, 0 if w is None else w + 1, int(r in closing)] for r, w in enumerate(weights)]
+        return [[OPEN, 0, 0, 0 if w is None else w + 1, int(r in closing)] for r, w in enumerate(weights)]
 
     assert Open.divisor(rows(3, 4)) == 7
     assert Open.divisor(rows(3, None)) is None and Open.divisor(rows(3, 0)) is None
@@ -267,3 +269,70 @@ def test_the_window_record_carries_the_adapters_extra_word() -> None:
     frame = Frame(Window.body(3)).new(WINDOW)
     Window.fill(frame, 0, 0, 5, np.zeros(1, np.uint64), extra=(7 << 1) | 1)
     assert frame[Window.EXTRA] == 15 and frame[Window.WEIGHT] == 5 and Window.PRESENCE == Window.EXTRA + 1
+
+
+# ------------------------------------------------------------- several sessions (issue 44)
+
+NAMES = {1: "session 1 ('generator')", 2: "session 2", 3: "session 3 ('critic')"}
+
+
+def session_frames(cells: list[tuple[int, int]], widths: tuple[int, int] = (3, 3)) -> list[np.ndarray]:
+    """One frame per rank of (operation, session); frames of the job's width whatever each session's own."""
+    out = []
+    for kind, session in cells:
+        f = Frame(Window.body(widths[session % 2])).new(kind, Frame(Window.body(max(widths))).width)
+        f[SESSION] = session
+        out.append(f)
+    return out
+
+
+@pytest.mark.parametrize(
+    ("cells", "message", "closes"),
+    [
+        ([(WINDOW, 1), (WINDOW, 2)], ("ranks are in different mpidp sessions: rank 0 in reduce of session 1 ('generator'), "
+         "rank 1 in reduce of session 2; every rank must call the sessions made on one communicator in the same order"), ()),
+        ([(WINDOW, 1), (WINDOW, 2), (WINDOW, 2), (WINDOW, 2)], ("rank 0 in reduce of session 1 ('generator'), rank 1 in reduce "
+         "of session 2 (every rank: reduce of session 1 ('generator') on rank 0, reduce of session 2 on ranks 1-3)"), ()),
+        ([(WINDOW, 2), (WINDOW, 2), (CLOSE, 3)], ("rank 0 in reduce of session 2, rank 2 in close of session 3 ('critic') (every "
+         "rank: reduce of session 2 on ranks 0-1, close of session 3 ('critic') on rank 2); every rank must call the sessions made "
+         "on one communicator in the same order (each session's calls wait for that session's calls on every other rank); "
+         "session 3 ('critic') is now closed on every rank"), (3,)),
+        ([(CLOSE, 1), (CLOSE, 3)], "session 1 ('generator') and session 3 ('critic') are now closed on every rank", (1, 3)),
+        ([(JOIN, 2), (INITIALIZE, 3)], "rank 0 in join of session 2, rank 1 in initialize of session 3 ('critic')", ()),
+    ],
+)
+def test_ranks_in_different_sessions_are_each_named_with_their_session(
+    cells: list[tuple[int, int]], message: str, closes: tuple[int, ...]
+) -> None:
+    frames = session_frames(cells, (3, 200))
+    every = []
+    for rank, (_, mine) in enumerate(cells):  # every rank agrees for its own session: the same text, its own closing
+        with pytest.raises(OperationsDiffer) as raised:
+            agree(Table(rank, frames, [], session=mine, names=NAMES), frames[rank].copy(), None, "x")
+        assert raised.value.closes == closes and raised.value.closing == (mine in closes)
+        every.append(str(raised.value))
+    assert all(t == every[0] for t in every) and message in every[0], every
+
+
+def test_one_session_in_different_operations_is_named_as_before() -> None:
+    """Ranks of one session (in a job of several) keep the text of one session: no session named."""
+    frames = session_frames([(WINDOW, 2), (CLOSE, 2)])
+    with pytest.raises(OperationsDiffer) as raised:
+        agree(Table(0, frames, [], session=2, names=NAMES), frames[0].copy(), None, "x")
+    assert str(raised.value).startswith("ranks are in different mpidp operations: rank 0 in reduce, rank 1 in close;")
+    assert "session 2" not in str(raised.value) and raised.value.closing
+
+
+def test_a_narrower_sessions_frame_is_padded_to_the_jobs_width_and_stamped() -> None:
+    frames = session_frames([(WINDOW, 1), (WINDOW, 1)], (3, 3))
+    comm = Table(0, frames, [], session=1)
+    comm.width = frames[0].size
+    narrow = Frame(1).new(WINDOW)
+    rows = agree(comm, narrow, None, "x")
+    assert len(rows[0]) == comm.width and rows[0][SESSION] == 1
+
+
+def test_a_setup_names_a_rank_that_passes_another_name() -> None:
+    assert Setup.disagreement([setup(name="g"), setup(name="g"), setup(name="d")]) == (
+        "rank 2 passes name='d', rank 0 name='g': every rank must pass the same"
+    )

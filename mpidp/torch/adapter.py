@@ -88,7 +88,7 @@ class DataParallel:
     or overlap (:mod:`mpidp.exact`, :mod:`mpidp.overlap.exact_jobs`,
     docs/reproducibility.md).
 
-    ``chunk_bytes``, ``abort_on_exception`` and ``timeout`` are those of
+    ``chunk_bytes``, ``abort_on_exception``, ``timeout`` and ``name`` are those of
     :meth:`mpidp.DataParallel.initialize`. Raises ContractError on every rank,
     before anything is modified, if any rank's model is invalid or differs
     from another's (with ``flat_parameters``, the old ``p.data`` is put back).
@@ -107,6 +107,7 @@ class DataParallel:
         overlap: bool | str = False,
         bucket_bytes: int | None = None,
         exact: bool = False,
+        name: str | None = None,
     ) -> None:
         self._module = model
         error = torch_model.check_module(model)
@@ -119,7 +120,8 @@ class DataParallel:
         moved: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
         if flat_parameters and error is None:
             moved, error = torch_model.flatten(self._params)
-        options = {"chunk_bytes": chunk_bytes, "device": None, "abort_on_exception": abort_on_exception, "timeout": timeout, "exact": exact}
+        options: dict[str, Any] = {"chunk_bytes": chunk_bytes, "device": None, "abort_on_exception": abort_on_exception, "timeout": timeout}
+        options.update(exact=exact, name=name)
         try:  # the buffers are agreed on and moved with the parameters: one record, one communicator
             self._core = core.start(self._params, comm, root, frozen, options, regions._replace(error=error))
         except BaseException:
@@ -127,8 +129,8 @@ class DataParallel:
                 p.data = old
             raise
         first: dict[int, str] = {}
-        for name in sorted(self._params):
-            first.setdefault(id(self._params[name]), name)
+        for key in sorted(self._params):
+            first.setdefault(id(self._params[key]), key)
         #: the first name (in contract order) of every tie group, frozen ones included
         self._heads = tuple(first.values())
         self._trainable = frozenset(self._core.trainable)

@@ -31,6 +31,11 @@
   is finalized, and the job exits 0.
 - ``finalize-first``: no rank closes, every rank finalizes MPI itself: nothing
   is left to close at exit, and the job exits 0.
+- ``sessions``: two sessions (``generator``, ``critic``) trained alternately,
+  then rank 0 reduces the generator first and the others the critic (issue
+  44): one ContractError on every rank at once, naming both sessions.
+- ``sessions-exit``: rank 0's script ends one generator reduce early; the
+  others wait in it while rank 0 closes the critic at exit: the same.
 - ``late``: rank 3 comes to ``initialize`` 30 s after the others, which wait
   in its first collective (the communicator's Dup) until the watchdog aborts.
 - ``raise-early``: rank 3 raises before ``initialize`` (no abort hook yet:
@@ -56,6 +61,20 @@ if mode in ("late", "raise-early") and rank == 3:
     if mode == "raise-early":
         raise RuntimeError("boom before initialize")
     time.sleep(30)
+if mode in ("sessions", "sessions-exit"):
+    g = mpidp.DataParallel.initialize({"w": np.zeros(10, np.float32)}, comm, name="generator")
+    c = mpidp.DataParallel.initialize({"w": np.zeros(100, np.float32), "b": np.zeros(3, np.float32)}, comm, name="critic")
+    for step in range(3):
+        c.reduce({"w": np.ones(100, np.float32), "b": np.ones(3, np.float32)}, 1)
+        g.reduce({"w": np.ones(10, np.float32)}, 1)
+    print(f"rank {rank}: {mode} at {time.time():.3f}", flush=True)
+    if mode == "sessions-exit":
+        if rank != 0:
+            g.reduce({"w": np.ones(10, np.float32)}, 1)
+        sys.exit(0)
+    for d in [g, c] if rank == 0 else [c, g]:
+        d.reduce({"w": np.ones(10, np.float32)} if d is g else {"w": np.ones(100, np.float32), "b": np.ones(3, np.float32)}, 1)
+    sys.exit(0)
 if mode == "skip-buffers":
     import torch
 

@@ -35,6 +35,7 @@ TOOL_VARIABLES = (
     "MPIDP_PREFIX",  # scripts/gpu-check
     "MPIDP_RANKS",  # scripts/demo, scripts/gpu-check
     "MPIDP_SRUN_MPI",  # scripts/slurm/train.sbatch
+    "MPIDP_CHECKPOINTS",  # scripts/slurm/train.sbatch
     "MPIDP_EXAMPLE",  # scripts/demo
     "MPIDP_CPU_TARGETS",  # scripts/gpu-check
     "MPIDP_FAKE_SCHEDULE",  # tests/fakegpu

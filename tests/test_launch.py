@@ -197,7 +197,7 @@ UP, LOW = "MPIDP_", "mpidp_"
 def test_unknown_mpidp_variables_are_named_with_the_closest_known_one(environ: dict[str, str], fragment: str) -> None:
     text = launch.unknown_variables({"PATH": "/usr/bin", "MPIDP_TIMEOUT": "60", **environ})
     assert text is not None and fragment in text, text
-    assert text.endswith("It reads MPIDP_TIMEOUT, MPIDP_REDUCTION, MPIDP_CUDA_AWARE, MPIDP_CASTS (docs/environment.md).")
+    assert text.endswith("It reads MPIDP_TIMEOUT, MPIDP_REDUCTION, MPIDP_CUDA_AWARE, MPIDP_CASTS, MPIDP_EXACT_KERNELS (docs/environment.md).")
 
 
 def test_the_names_of_the_library_and_of_the_projects_scripts_are_known() -> None:

@@ -11,6 +11,8 @@ import contextlib
 import faulthandler
 import importlib.util
 import os
+import shutil
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
@@ -45,6 +47,16 @@ def _watchdog() -> Any:
 @pytest.fixture
 def comm() -> MPI.Comm:
     return MPI.COMM_WORLD
+
+
+@pytest.fixture
+def folder(comm: MPI.Comm) -> Iterator[Path]:
+    """A fresh folder every rank sees (made on rank 0, its name broadcast), removed afterwards."""
+    name = comm.bcast(tempfile.mkdtemp(prefix="mpidp-test-") if comm.rank == 0 else None)
+    yield Path(name)
+    comm.Barrier()
+    if comm.rank == 0:
+        shutil.rmtree(name, ignore_errors=True)
 
 
 @pytest.fixture

@@ -4,13 +4,10 @@ from __future__ import annotations
 
 import hashlib
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import textwrap
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,17 +20,6 @@ from replicas import model
 import mpidp
 from mpidp import ContractError, checkpoint
 from mpidp.checkpoint import files
-
-
-@pytest.fixture
-def folder(comm: MPI.Comm) -> Iterator[Path]:
-    """A folder every rank sees (made on rank 0, its name broadcast)."""
-    name = tempfile.mkdtemp(prefix="mpidp-ckpt-") if comm.rank == 0 else None
-    name = comm.bcast(name)
-    yield Path(name)
-    comm.Barrier()
-    if comm.rank == 0:
-        shutil.rmtree(name, ignore_errors=True)
 
 
 def digest(params: dict[str, Any]) -> str:

@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import shutil
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,16 +20,6 @@ from mpidp.exact import shard
 from mpidp.examples.charlm import IGNORE, VOCAB, CharLM, Language, batch
 
 COUNT = 6  # micro-batches per window
-
-
-@pytest.fixture
-def folder(comm: MPI.Comm) -> Iterator[Path]:
-    name = tempfile.mkdtemp(prefix="mpidp-ckpt-") if comm.rank == 0 else None
-    name = comm.bcast(name)
-    yield Path(name)
-    comm.Barrier()
-    if comm.rank == 0:
-        shutil.rmtree(name, ignore_errors=True)
 
 
 def digest(model: Any) -> str:

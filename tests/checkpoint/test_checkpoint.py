@@ -234,3 +234,20 @@ def test_a_sharded_optimizer_resumes_at_every_world_size_with_the_same_bits(comm
         with first_ranks(comm, n) as sub:
             if sub is not None:
                 assert sharded_run(sub, range(2, 4), resume=folder) == expected, f"{comm.size} -> {n}"
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_save_in_one_session_while_the_others_reduce_another_is_one_error(comm: MPI.Comm, folder: Path) -> None:
+    from replicas import ZERO, grads_for
+
+    dp1, p1 = session(comm, 11)
+    dp2, p2 = session(comm, 12)
+    before = snapshot(p2)
+    if comm.rank == 0:
+        same_error_everywhere(comm, lambda: checkpoint.save(dp1, folder, p1), ContractError, "different mpidp sessions")
+    else:
+        g = grads_for(p2, np.random.default_rng(comm.rank))
+        same_error_everywhere(comm, lambda: dp2.reduce(g, 1, ZERO), ContractError, "different mpidp sessions")
+    assert snapshot(p2) == before and checkpoint.latest(folder) is None
+    dp2.close()
+    dp1.close()

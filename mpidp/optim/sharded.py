@@ -7,7 +7,8 @@ record), then the movement: gradients reduce-scattered to their owners
 divided by the global weight, clipped by the exact global norm if asked
 (:mod:`mpidp.optim.norm`), the owner's slice updated by an elementwise rule
 (:mod:`mpidp.optim.rules`), and every updated slice gathered into every
-rank's parameters, in place. Afterwards the replicas are bitwise equal.
+rank's parameters as their own bytes (2 per 16-bit element), in place.
+Afterwards the replicas are bitwise equal.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from ..core import DataParallel, MissingGradientPolicy
 from ..errors import CollectiveError, ContractError
 from . import groups as groupings
 from . import moves, norm, rules
-from .cut import Cut, pieces
+from .cut import Cut, byte_bounds, pieces, starts
 
 __all__ = ["ShardedOptimizer", "StepResult"]
 
@@ -70,6 +71,10 @@ class ShardedOptimizer:
         self._flats = [arrays.view(p).reshape(-1) for p in self._params]
         self._dtypes = [a.dtype for a in self._flats]
         self.cut = Cut.of(facts.sizes, facts.comm.rank, facts.comm.size)
+        self._chunk_bytes = facts.chunk_bytes
+        itemsizes = [d.itemsize for d in self._dtypes]
+        self._bytes_begin = starts([n * i for n, i in zip(facts.sizes, itemsizes)])  # the flat byte storage
+        self._spans = byte_bounds(self.cut.begin, self._bytes_begin, itemsizes, self.cut.bounds)
         self._mine = self.cut.mine()
         heads = dp.trainable
         error = adapter_error or (None if self.elementwise and self.rule is not None else self.refusal())
@@ -264,7 +269,7 @@ class ShardedOptimizer:
             grad = self._reduce(agreed, present, operation)
             total = None if max_norm is None else self._clip(grad, present, float(max_norm), operation)
             updated = self._update(grad, present)
-            moves.gather(self._comm, self.cut, self._chunk, self._fill, self._writer(updated), f"{operation}: parameters")
+            self._gather(updated, f"{operation}: parameters")
         except CollectiveError as e:
             dp.fail(e)
             raise
@@ -340,16 +345,20 @@ class ShardedOptimizer:
                 self._flats[p.slot][p.a : p.b] = master  # rounded to the parameter's dtype (to nearest even)
         return updated
 
+    def _gather(self, updated: list[bool], operation: str) -> None:
+        """Every owner's updated parameters into every rank's, as bytes (collective)."""
+        moves.gather(self._comm, self._spans, self.cut.rank, self._chunk_bytes, self._fill, self._writer(updated), operation)
+
     def _fill(self, lo: int, hi: int, out: np.ndarray) -> None:
-        """This rank's parameter values of flat ``[lo, hi)`` into float32 ``out`` (exact: every dtype widens)."""
-        for p in pieces(self.cut.begin, lo, hi):
-            out[p.offset : p.offset + p.b - p.a] = self._flats[p.slot][p.a : p.b]
+        """This rank's parameter bytes ``[lo, hi)`` of the flat byte storage into uint8 ``out`` (16-bit: the masters as rounded)."""
+        for p in pieces(self._bytes_begin, lo, hi):
+            out[p.offset : p.offset + p.b - p.a] = self._flats[p.slot].view(np.uint8)[p.a : p.b]
 
     def _writer(self, updated: list[bool]) -> moves.Fill:
         def write(lo: int, hi: int, values: np.ndarray) -> None:
-            for p in pieces(self.cut.begin, lo, hi):
+            for p in pieces(self._bytes_begin, lo, hi):
                 if updated[p.slot]:
-                    self._flats[p.slot][p.a : p.b] = values[p.offset : p.offset + p.b - p.a]
+                    self._flats[p.slot].view(np.uint8)[p.a : p.b] = values[p.offset : p.offset + p.b - p.a]
 
         return write
 

@@ -347,6 +347,16 @@ class Communicator:
         finally:
             self.operation = None
 
+    def Allgatherv_in_place(self, buf: np.ndarray, counts: list[int], displs: list[int], operation: str = "Allgatherv") -> None:
+        """Give every rank every rank's bytes of host uint8 ``buf``: rank ``j``'s ``counts[j]`` bytes at ``displs[j]``."""
+        self._enter(operation)
+        try:
+            self.comm.Allgatherv(MPI.IN_PLACE, [buf, (counts, displs), MPI.BYTE])
+        except MPI.Exception as e:
+            raise self._fail(operation, e) from e
+        finally:
+            self.operation = None
+
     def Allreduce(self, buf: Any, operation: str = "Allreduce") -> None:
         """Sum float32 buffer ``buf`` over all ranks in place (host memory, or device memory MPI may read)."""
         self._enter(operation)

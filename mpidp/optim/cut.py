@@ -13,7 +13,7 @@ import bisect
 from collections.abc import Sequence
 from typing import NamedTuple
 
-__all__ = ["Cut", "Piece", "bounds", "pieces", "starts"]
+__all__ = ["Cut", "Piece", "bounds", "byte_bounds", "pieces", "starts"]
 
 
 def bounds(total: int, size: int) -> tuple[int, ...]:
@@ -26,6 +26,20 @@ def starts(sizes: Sequence[int]) -> tuple[int, ...]:
     out = [0]
     for n in sizes:
         out.append(out[-1] + n)
+    return tuple(out)
+
+
+def byte_bounds(begin: Sequence[int], bytes_begin: Sequence[int], itemsizes: Sequence[int], cuts: Sequence[int]) -> tuple[int, ...]:
+    """Where each flat element of ``cuts`` falls in the flat byte storage (each slot's bytes back to back, ``bytes_begin``).
+
+    ``begin``: :func:`starts` of the element counts; ``bytes_begin``: of the
+    byte counts; ``itemsizes``: each slot's. A slice ``[cuts[r], cuts[r + 1])``
+    of elements is the byte range between the two results, contiguous too.
+    """
+    out = []
+    for e in cuts:
+        i = min(bisect.bisect_right(begin, e) - 1, len(itemsizes) - 1)
+        out.append(bytes_begin[i] + (e - begin[i]) * itemsizes[i] if itemsizes else 0)
     return tuple(out)
 
 

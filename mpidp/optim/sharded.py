@@ -7,11 +7,13 @@ record), then the movement: gradients reduce-scattered to their owners
 divided by the global weight, clipped by the exact global norm if asked
 (:mod:`mpidp.optim.norm`), the owner's slice updated by an elementwise rule
 (:mod:`mpidp.optim.rules`), and every updated slice gathered into every
-rank's parameters, in place. Afterwards the replicas are bitwise equal.
+rank's parameters as their own bytes (2 per 16-bit element), in place.
+Afterwards the replicas are bitwise equal.
 """
 
 from __future__ import annotations
 
+import math
 import numbers
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar, NamedTuple
@@ -23,16 +25,21 @@ from ..core import DataParallel, MissingGradientPolicy
 from ..errors import CollectiveError, ContractError
 from . import groups as groupings
 from . import moves, norm, rules
-from .cut import Cut, pieces
+from .cut import Cut, byte_bounds, pieces, starts
 
 __all__ = ["ShardedOptimizer", "StepResult"]
 
 
 class StepResult(NamedTuple):
-    """What a sharded step returns: the window's global weight, and the global gradient norm (None: not clipped)."""
+    """A sharded step's result: the global weight, the global norm (None: not clipped), whether a scaled step skipped.
+
+    ``found_inf``: a step with ``scale`` found inf or NaN and skipped its
+    update, on every rank alike.
+    """
 
     global_weight: int
     norm: float | None
+    found_inf: bool = False
 
 
 class ShardedOptimizer:
@@ -70,6 +77,10 @@ class ShardedOptimizer:
         self._flats = [arrays.view(p).reshape(-1) for p in self._params]
         self._dtypes = [a.dtype for a in self._flats]
         self.cut = Cut.of(facts.sizes, facts.comm.rank, facts.comm.size)
+        self._chunk_bytes = facts.chunk_bytes
+        itemsizes = [d.itemsize for d in self._dtypes]
+        self._bytes_begin = starts([n * i for n, i in zip(facts.sizes, itemsizes)])  # the flat byte storage
+        self._spans = byte_bounds(self.cut.begin, self._bytes_begin, itemsizes, self.cut.bounds)
         self._mine = self.cut.mine()
         heads = dp.trainable
         error = adapter_error or (None if self.elementwise and self.rule is not None else self.refusal())
@@ -229,51 +240,66 @@ class ShardedOptimizer:
         *,
         step: int | None = None,
         max_norm: float | None = None,
+        scale: float | None = None,
+        adapter_error: str | None = None,
     ) -> StepResult:
         """Reduce the window's gradients to their owners, update every slice, gather the parameters (collective).
 
-        ``grads``, ``local_weight``, ``policy`` and ``step`` as for
-        :meth:`mpidp.DataParallel.reduce` (in an ``exact=True`` session the
-        window's :meth:`~mpidp.DataParallel.fold` s count too); the gradients
-        are read, not written. Each owner divides its slice by the global
-        weight (float32), multiplies it by ``clip_grad_norm_``'s coefficient
-        when ``max_norm`` is given (the global norm: an exact sum of squares,
-        the same bits on every rank, and at every world size where the
-        gradients are), updates it, and every rank's parameters receive
-        every updated slice in their own dtype, in place. Parameters no
-        weighted rank has a gradient for are not updated; a group's step
-        count advances when any of its parameters is.
+        ``grads``, ``local_weight``, ``policy``, ``step`` as for :meth:`mpidp.DataParallel.reduce`
+        (exact sessions: the window's :meth:`~mpidp.DataParallel.fold` s count
+        too); the gradients are read, not written. Each owner divides its
+        slice by the global weight (float32), then by ``scale`` where given (a
+        loss scale: times its float32 reciprocal, as GradScaler unscales),
+        multiplies it by ``clip_grad_norm_``'s coefficient when ``max_norm``
+        is given (the global norm: an exact sum of squares, the same bits on
+        every rank, and at every world size where the gradients are), updates
+        it, and every rank's parameters receive every updated slice in their
+        own dtype, in place. Parameters no weighted rank has a gradient for are
+        not updated; a group's step count advances when any of its parameters
+        is. With ``scale``, where any owner finds inf or NaN in the reduced
+        gradients it updates, every rank skips the update (parameters, state,
+        step counts untouched) and returns ``found_inf=True``.
 
         Raises ContractError on every rank, with parameters and state
         untouched, where :meth:`~mpidp.DataParallel.reduce` would, where
-        ``max_norm`` is bad, or where ranks' optimizers differ (kind,
-        groups, hyperparameters, step counts, ``max_norm``).
+        ``max_norm`` or ``scale`` is bad, where ranks' optimizers differ (kind,
+        groups, hyperparameters, step counts, ``max_norm``, ``scale``), or
+        where a rank passes ``adapter_error`` (an adapter's local error).
         """
-        error = self._step_problem(max_norm)
+        error = adapter_error or self._step_problem(max_norm, scale)
         dp = self._dp
         checked = dp.check_window(grads, local_weight, policy, error, step=step)
-        description = {**self.hyperparameters(), "max_norm": max_norm}
+        description = {**self.hyperparameters(), "max_norm": max_norm, "scale": scale}
         agreed = dp.agree_window(checked, None, groupings.digest(description))
         operation = f"{self.kind} step (window {dp.window})"
         if len(set(agreed.extra)) > 1:
             if self._exact is not None:
                 self._exact.forget()
             self._differ(description, operation)
-        present = agreed.present(len(self._params))
         try:
-            grad = self._reduce(agreed, present, operation)
-            total = None if max_norm is None else self._clip(grad, present, float(max_norm), operation)
-            updated = self._update(grad, present)
-            moves.gather(self._comm, self.cut, self._chunk, self._fill, self._writer(updated), f"{operation}: parameters")
+            total, found = self._move(agreed, max_norm, scale, operation)
         except CollectiveError as e:
             dp.fail(e)
             raise
-        return StepResult(agreed.global_weight, None if total is None else float(total))
+        return StepResult(agreed.global_weight, None if total is None else float(total), found)
 
-    def _step_problem(self, max_norm: Any) -> str | None:
+    def _move(self, agreed: Any, max_norm: Any, scale: float | None, operation: str) -> tuple[np.float32 | None, bool]:
+        """Reduce, unscale, inspect (norm, inf/NaN), clip, update, gather; the norm and whether it skipped (collective)."""
+        present = agreed.present(len(self._params))
+        grad = self._reduce(agreed, present, operation)
+        if scale is not None:
+            grad *= np.float32(1.0 / float(scale))  # GradScaler's inverse scale: float64 reciprocal, then float32
+        total, found = self._inspect(grad, present, max_norm, scale is not None, operation)
+        if not found:
+            self._gather(self._update(grad, present), f"{operation}: parameters")
+        return total, found
+
+    def _step_problem(self, max_norm: Any, scale: Any) -> str | None:
         assert self.rule is not None
         if max_norm is not None and (isinstance(max_norm, bool) or not isinstance(max_norm, numbers.Real) or not float(max_norm) > 0):
             return f"max_norm must be None or a positive real number, got {max_norm!r}"
+        if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not 0 < float(scale) < math.inf):
+            return f"scale must be None or a positive finite real number, got {scale!r}"
         for k, g in enumerate(self.groups):
             why = self.rule.check(g.hp)
             if why is not None:
@@ -307,19 +333,33 @@ class ShardedOptimizer:
         casts.divide(self._grad, agreed.global_weight, out=self._grad)
         return self._grad
 
-    def _clip(self, grad: np.ndarray, present: list[bool], max_norm: float, operation: str) -> np.float32:
-        """Multiply ``grad`` by clip_grad_norm_'s coefficient of the global norm, and return the norm (collective)."""
-        words = np.zeros(norm.WORDS, np.int64)
+    def _inspect(self, grad: np.ndarray, present: list[bool], max_norm: Any, scaled: bool, operation: str) -> tuple[np.float32 | None, bool]:
+        """The global norm (``grad`` clipped by it) and whether a scaled step found inf or NaN (collective; every rank alike).
+
+        One int64 Allreduce carries the norm's exact sums of squares (with
+        ``max_norm``) and the count of inf and NaN in the gradients that this
+        rank updates (``scaled``); a step that found any is not clipped.
+        """
+        if max_norm is None and not scaled:
+            return None, False
+        words = np.zeros((0 if max_norm is None else norm.WORDS) + 1, np.int64)
         for p in self._mine:
-            if present[p.slot]:
-                norm.squares(grad[p.offset : p.offset + p.b - p.a], words)
+            here = grad[p.offset : p.offset + p.b - p.a]
+            if present[p.slot] and max_norm is not None:
+                norm.squares(here, words[:-1])
+            if present[p.slot] and scaled and p.slot in self._group_of:
+                words[-1] += here.size - int(np.count_nonzero(np.isfinite(here)))
         if self.cut.size > 1:
             summed = np.empty_like(words)
-            self._comm.Allreduce_into(words, summed, f"{operation}: norm (int64 Allreduce)")
+            self._comm.Allreduce_into(words, summed, f"{operation}: norm and inf count (int64 Allreduce)")
             words = summed
-        total = norm.norm(words)
-        grad *= norm.clip_coefficient(max_norm, total)
-        return total
+        found = bool(words[-1])
+        if max_norm is None:
+            return None, found
+        total = norm.norm(words[:-1])
+        if not found:
+            grad *= norm.clip_coefficient(float(max_norm), total)
+        return total, found
 
     def _update(self, grad: np.ndarray, present: list[bool]) -> list[bool]:
         """Advance the step counts and update this rank's pieces (local); which slots were updated."""
@@ -340,16 +380,20 @@ class ShardedOptimizer:
                 self._flats[p.slot][p.a : p.b] = master  # rounded to the parameter's dtype (to nearest even)
         return updated
 
+    def _gather(self, updated: list[bool], operation: str) -> None:
+        """Every owner's updated parameters into every rank's, as bytes (collective)."""
+        moves.gather(self._comm, self._spans, self.cut.rank, self._chunk_bytes, self._fill, self._writer(updated), operation)
+
     def _fill(self, lo: int, hi: int, out: np.ndarray) -> None:
-        """This rank's parameter values of flat ``[lo, hi)`` into float32 ``out`` (exact: every dtype widens)."""
-        for p in pieces(self.cut.begin, lo, hi):
-            out[p.offset : p.offset + p.b - p.a] = self._flats[p.slot][p.a : p.b]
+        """This rank's parameter bytes ``[lo, hi)`` of the flat byte storage into uint8 ``out`` (16-bit: the masters as rounded)."""
+        for p in pieces(self._bytes_begin, lo, hi):
+            out[p.offset : p.offset + p.b - p.a] = self._flats[p.slot].view(np.uint8)[p.a : p.b]
 
     def _writer(self, updated: list[bool]) -> moves.Fill:
         def write(lo: int, hi: int, values: np.ndarray) -> None:
-            for p in pieces(self.cut.begin, lo, hi):
+            for p in pieces(self._bytes_begin, lo, hi):
                 if updated[p.slot]:
-                    self._flats[p.slot][p.a : p.b] = values[p.offset : p.offset + p.b - p.a]
+                    self._flats[p.slot].view(np.uint8)[p.a : p.b] = values[p.offset : p.offset + p.b - p.a]
 
         return write
 

@@ -6,6 +6,15 @@ the reduce-scatter to the owners *is* the reduction (reducing first would
 move every gradient twice). ``param_groups`` are torch's, so
 ``torch.optim.lr_scheduler`` schedulers work; their hyperparameters are
 read at every step and agreed between ranks.
+
+``torch.amp.GradScaler`` works unchanged: ``scaler.scale(loss).backward()``,
+``scaler.step(opt, local_weight=n)``, ``scaler.update()``. The optimizer
+says ``_step_supports_amp_scaling``, so the scaler hands itself to ``step``
+(``grad_scaler=``) instead of checking each rank's own gradients for inf:
+the owners unscale the reduced slices, every rank learns whether any slice
+holds inf or NaN (one agreed answer), skips the update alike where one does,
+and reports that answer to the scaler, so that ``update()`` backs off or
+grows the scale identically on every rank.
 """
 
 from __future__ import annotations
@@ -14,6 +23,7 @@ from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
+from torch.amp.grad_scaler import OptState
 
 from .. import optim as core_optim
 from ..core import MissingGradientPolicy
@@ -30,11 +40,16 @@ class ShardedOptimizer(torch.optim.Optimizer):
     tie group of ``dp``. Hyperparameters as the torch optimizer's. 16-bit
     parameters keep float32 masters on their owners. Not with
     ``overlap`` sessions (ContractError on every rank: the buckets are not
-    reduce-scattered to owners yet) nor GradScaler (its inf check is a
-    local decision to skip ``step``, which would leave the other ranks waiting).
+    reduce-scattered to owners yet).
+    ``torch.amp.GradScaler`` is supported (see the module's docstring);
+    its ``unscale_`` is not: ``.grad`` holds each rank's own unreduced loss
+    sums here, so clipping after it would clip every rank differently
+    (ContractError on every rank at ``step``: clip with ``max_norm``).
     """
 
     _core: ClassVar[type[core_optim.ShardedOptimizer]] = core_optim.ShardedOptimizer
+    #: GradScaler hands itself to :meth:`step` (``grad_scaler=``) instead of deciding alone whether to call it
+    _step_supports_amp_scaling: ClassVar[bool] = True
 
     def __init__(self, dp: DataParallel, params: Any = None, **defaults: Any) -> None:
         rule = self._core.rule
@@ -70,14 +85,19 @@ class ShardedOptimizer(torch.optim.Optimizer):
         policy: MissingGradientPolicy = MissingGradientPolicy.ERROR,
         step: int | None = None,
         max_norm: float | None = None,
+        grad_scaler: torch.amp.GradScaler | None = None,
     ) -> Any:
         """Reduce ``.grad`` (of local loss sums, weight ``local_weight``) to the owners, update, gather (collective).
 
         Replaces ``dp.reduce``: do not call both. ``max_norm`` clips by the
         global norm as ``clip_grad_norm_`` would after a reduce; the norm and
         the global weight are in :attr:`last`. ``.grad`` is read, not changed.
-        Raises ContractError on every rank, with parameters and state
-        untouched, as ``dp.reduce`` does and where ranks' hyperparameters differ.
+        ``grad_scaler``: what ``scaler.step(opt, local_weight=n, ...)``
+        passes; the reduced slices are unscaled, and where any holds inf or
+        NaN every rank skips the update (``last.found_inf``) and the scaler
+        is told so, on every rank alike. Raises ContractError on every rank,
+        with parameters and state untouched, as ``dp.reduce`` does, where
+        ranks' hyperparameters or scales differ, and after ``scaler.unscale_(opt)``.
         """
         loss = None
         if closure is not None:
@@ -86,9 +106,33 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for g, mine in zip(self.param_groups, self.sharded.groups):
             mine.hp.update(self._hp(g))
         weight = local_weight if isinstance(local_weight, int) else int(local_weight.item())
+        scale, error = self._scaling(grad_scaler)
         params = self._dp._refresh()
-        self.last = self.sharded.step(self._dp._gradients(params, weight), weight, policy, step=step, max_norm=max_norm)
+        grads = self._dp._gradients(params, weight)
+        self.last = self.sharded.step(grads, weight, policy, step=step, max_norm=max_norm, scale=scale, adapter_error=error)
+        if grad_scaler is not None:  # what update() reads: this step's agreed answer, the same on every rank
+            scale_tensor = grad_scaler._get_scale_async()
+            assert scale_tensor is not None
+            found = torch.full((), float(self.last.found_inf), dtype=torch.float32, device=scale_tensor.device)
+            grad_scaler._per_optimizer_states[id(self)]["found_inf_per_device"] = {found.device: found}
         return loss
+
+    def _scaling(self, grad_scaler: torch.amp.GradScaler | None) -> tuple[float | None, str | None]:
+        """The loss scale to divide by (None: none), and this rank's error with the scaler (local)."""
+        if grad_scaler is None:
+            if hasattr(self, "grad_scale") or hasattr(self, "found_inf"):  # a GradScaler that no longer passes itself
+                return None, (
+                    "this torch's GradScaler did not pass itself to step (grad_scaler=): a sharded optimizer needs it to "
+                    "tell the scaler the inf/NaN answer every rank agreed on"
+                )
+            return None, None
+        if grad_scaler._per_optimizer_states[id(self)]["stage"] is OptState.UNSCALED:
+            return None, (
+                "scaler.unscale_(opt) is not supported with a sharded optimizer: .grad holds each rank's own, "
+                "unreduced loss sums, so clipping them would clip every rank differently; drop unscale_ and clip "
+                "by the global norm with scaler.step(opt, local_weight=n, max_norm=...)"
+            )
+        return grad_scaler.get_scale(), None
 
     def state_dict(self) -> dict[str, Any]:
         """Not here: a sharded state is saved by name and range (``sharded.owned()``, ``sharded.state_pieces()``)."""

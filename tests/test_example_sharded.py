@@ -11,14 +11,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 from conftest import clean_env
 from mpi4py import MPI
 
+torch = pytest.importorskip("torch")
 from mpidp import checkpoint
 from mpidp.examples import sharded
-
-pytest.importorskip("safetensors")
 
 SERIAL = pytest.mark.skipif(MPI.COMM_WORLD.Get_size() > 1, reason="starts its own MPI jobs")
 

@@ -300,3 +300,27 @@ def test_benchmarks_readme_lists_every_script() -> None:
     assert scripts and not [s for s in scripts if s not in text], "scripts missing from benchmarks/README.md"
     named = set(re.findall(r"(?<![\w/.-])(benchmarks/[\w./-]*\w)", text))
     assert not [n for n in named if not (ROOT / n).exists()], "benchmarks/README.md names paths that do not exist"
+
+
+@pytest.mark.parametrize(("job", "variant", "keys"), [
+    ("step", "sharded", ("step_s", "forward_backward_s", "reduce_and_update_s")),
+    ("memory", "replicated", ()),
+    ("checkpoint", "mpidp", ("save_s", "load_s")),
+])
+def test_sharded_benchmark_jobs_report_their_figures(job: str, variant: str, keys: tuple[str, ...]) -> None:
+    """benchmarks/sharded.py keeps working: one 2-rank job of each kind on the tiny model prints a sane RESULT line."""
+    script = ROOT / "benchmarks" / "sharded.py"
+    p = subprocess.run(
+        [MPIEXEC, "-n", "2", sys.executable, "-m", "mpi4py", str(script), "--quick", "--job", job, "--variant", variant, "--steps", "2"],
+        check=False, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=TIMEOUT, env=clean_env(NUMPY_MADVISE_HUGEPAGE="0"),
+    )
+    assert p.returncode == 0, p.stdout
+    (line,) = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
+    result = json.loads(line[len("RESULT "):])
+    assert result["ranks"] == 2 and result["variant"] == variant and len(result["peak_rss_per_rank"]) == 2
+    assert all(positive(result[k]) for k in keys), result
+    if job != "checkpoint":  # AdamW: two float32 moments per parameter, whole on every rank or cut in two
+        nbytes, whole = result["optimizer_bytes_per_rank"], 8 * result["parameters"]
+        assert (sum(nbytes) if variant == "sharded" else max(nbytes)) == whole and min(nbytes) >= whole // 2 - 8, result
+    else:
+        assert result["checkpoint_bytes"] > 12 * result["parameters"], result  # parameters and both moments

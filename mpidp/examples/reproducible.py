@@ -1,6 +1,6 @@
 """The same parameter bits at any world size: a small transformer trained with the exact reduction.
 
-Run: ``mpiexec -n N python -m mpi4py -m mpidp.examples.reproducible [--steps K] [--save FILE] [--resume FILE] [--overlap MODE]``
+Run: ``mpiexec -n N python -m mpi4py -m mpidp.examples.reproducible [--steps K] [--save DIR] [--resume DIR] [--overlap MODE]``
 
 Every step trains on a fixed list of 12 micro-batches (made up from the
 step's number and the micro-batch's, nothing to download); micro-batch
@@ -9,9 +9,10 @@ each micro-batch's gradient into the window's exact integer sums
 (``dp.fold()``), and ``dp.reduce`` sums them over the ranks without an
 order (``exact=True``). The last line is ``sha256 <hex>`` of the final
 parameters: the same for every N, and after a resume from ``--save`` at
-any other N (the checkpoint is one file, written by rank 0: model,
-optimizer state and step; every rank reads it and the session broadcasts
-root's model). PyTorch runs on one thread per rank: the same kernels, the
+any other N (:meth:`mpidp.torch.DataParallel.save_checkpoint`: every rank
+writes its share of the model and of AdamW's state, the extras hold the
+step; ``load_checkpoint`` at any world size reads what each rank needs).
+PyTorch runs on one thread per rank: the same kernels, the
 same bits (docs/reproducibility.md). ``--overlap thread`` (or ``hooks``)
 sums the buckets as integers during each window's last backward, the
 others run under ``no_sync``: the same hash again.
@@ -57,8 +58,8 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--context", type=int, default=48)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--save", type=Path, help="file for the checkpoint (written by rank 0 at the end)")
-    parser.add_argument("--resume", type=Path, help="checkpoint file to continue from")
+    parser.add_argument("--save", type=Path, help="folder of checkpoints: one written at the end (mpidp.checkpoint)")
+    parser.add_argument("--resume", type=Path, help="folder of checkpoints to continue from (its newest)")
     parser.add_argument("--plain", action="store_true", help="the float32 reduction instead (its bits change with N)")
     parser.add_argument("--overlap", choices=("hooks", "thread"), help="sum the buckets during each window's last backward")
     args = parse_args(parser, argv)
@@ -68,13 +69,10 @@ def main(argv: list[str] | None = None) -> str:
     lang = Language()
     model = CharLM(dim=32, layers=2, heads=4, context=args.context)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
-    start = 0
-    if args.resume is not None:  # every rank reads root's file; the session then broadcasts root's model anyway
-        state = torch.load(args.resume, weights_only=True)
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        start = int(state["step"])
     dp = mpidp.torch.DataParallel(model, comm, exact=not args.plain, overlap=args.overlap or False)
+    start = 0
+    if args.resume is not None:  # written at any world size: every rank reads what it needs
+        start = int(dp.load_checkpoint(args.resume, optimizer)["step"])
     for step in range(start, args.steps):
         tokens = 0
         mine = list(shard(MICRO_BATCHES, dp.rank, dp.world_size))  # micro-batch i on rank i % N
@@ -91,11 +89,9 @@ def main(argv: list[str] | None = None) -> str:
         optimizer.step()
         dp.zero_grad()
     dp.verify_replicas()
-    if args.save is not None and dp.rank == 0:
-        args.save.parent.mkdir(parents=True, exist_ok=True)
-        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": args.steps}, args.save)
+    if args.save is not None:  # collective: published when every rank has written its share
+        dp.save_checkpoint(args.save, optimizer, extras={"step": args.steps}, tag=f"step-{args.steps:08d}")
     dp.close()
-    comm.Barrier()  # the checkpoint is written before any rank reports
     out = digest(model)
     if comm.rank == 0:
         how = ("float32 (plain)" if args.plain else "exact") + (f", overlap={args.overlap}" if args.overlap else "")

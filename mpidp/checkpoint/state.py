@@ -45,13 +45,10 @@ def param_pieces(params: Mapping[str, Any], names: list[str], rank: int, size: i
     """This rank's runs of the tensors ``names`` of ``params`` laid end to end (:func:`files.cut`)."""
     views = {n: host(params[n]).reshape(-1) for n in names}
     lo, hi = files.cut(sum(v.size for v in views.values()), size, rank)
-    out = []
-    for name in names:  # every tensor is named in every rank's file (its shape and dtype), a piece or not
-        v = views[name]
-        out.append(Piece(f"{prefix}{name}", tuple(params[name].shape), files.dtype_name(v.dtype), 0, v[:0]))
-    for name, a, b in files.pieces_of([(n, views[n].size) for n in names], lo, hi):
-        out.append(Piece(f"{prefix}{name}", out[names.index(name)].shape, out[names.index(name)].dtype, a, views[name][a:b]))
-    return out
+    # every tensor is named in every rank's file (its shape and dtype), a piece or not
+    empty = {n: Piece(f"{prefix}{n}", tuple(params[n].shape), files.dtype_name(v.dtype), 0, v[:0]) for n, v in views.items()}
+    runs = files.pieces_of([(n, v.size) for n, v in views.items()], lo, hi)
+    return list(empty.values()) + [empty[n]._replace(lo=a, data=views[n][a:b]) for n, a, b in runs]
 
 
 def optimizer_pieces(optimizer: Any, params: Mapping[str, Any]) -> list[Piece]:

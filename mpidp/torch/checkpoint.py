@@ -53,8 +53,10 @@ def load(session: Any, module: torch.nn.Module, params: Mapping[str, Any], where
     buffers = _buffers(module)
     sharded = _sharded(optimizer)
     kind, _ = _describe(optimizer if sharded is None else sharded, params)
-    path = state.collective.resolve(where) if _exists(where) else Path(where)
-    saved = _saved_optimizer(path)
+    try:
+        saved = files.read_manifest(state.collective.resolve(where)).get("optimizer")
+    except ValueError:
+        saved = None  # load_state says why, on every rank
     wants = [Want(f"buffer/{n}", (b.numel() * b.element_size(),), "uint8", 0, b.numel() * b.element_size()) for n, b in buffers.items()]
     tensors = {}
     if kind is not None and sharded is None and saved is not None and saved.get("kind") == kind:
@@ -80,22 +82,6 @@ def _sharded(optimizer: Any) -> Any:
     """The core sharded optimizer of ``optimizer`` (a torch one's ``.sharded``, or itself), or None for a replicated one."""
     inner = getattr(optimizer, "sharded", optimizer)
     return inner if hasattr(inner, "state_pieces") else None
-
-
-def _exists(where: str | Path) -> bool:
-    try:
-        state.collective.resolve(where)
-    except ValueError:
-        return False
-    return True
-
-
-def _saved_optimizer(path: Path) -> dict[str, Any] | None:
-    try:
-        saved: dict[str, Any] | None = files.read_manifest(path).get("optimizer")
-    except ValueError:
-        return None  # load_state says why, on every rank
-    return saved
 
 
 def _buffers(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -128,17 +114,16 @@ def _judge(manifest: Mapping[str, Any], optimizer: Any, params: Mapping[str, Any
     if problem is not None or optimizer is None:
         return problem
     saved = manifest["optimizer"]["hyperparameters"]["param_groups"]
-    groups = [sorted(_names(g["params"], params)) for g in optimizer.param_groups]
+    groups = [sorted(names) for names in _groups(optimizer, params)]
     if [sorted(g["params"]) for g in saved] != groups:
         return "another optimizer: its param groups hold other parameters than the checkpoint's"
     return None
 
 
-def _names(tensors: Any, params: Mapping[str, Any]) -> list[str]:
-    first: dict[int, str] = {}
-    for name in sorted(params):
-        first.setdefault(id(params[name]), name)
-    return [first[id(p)] for p in tensors]
+def _groups(optimizer: Any, params: Mapping[str, Any]) -> list[list[str]]:
+    """The names (tie heads) of each param group's tensors, in the optimizer's order."""
+    head_of = {id(params[n]): n for n in state.heads(params)[0]}
+    return [[head_of[id(p)] for p in g["params"]] for g in optimizer.param_groups]
 
 
 def _describe(optimizer: Any, params: Mapping[str, Any]) -> tuple[str | None, dict[str, Any] | None]:
@@ -149,7 +134,7 @@ def _describe(optimizer: Any, params: Mapping[str, Any]) -> tuple[str | None, di
         return optimizer.kind, {"kind": optimizer.kind, "hyperparameters": optimizer.hyperparameters(), "state_names": list(optimizer.state_names())}
     kind = f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
     sd = optimizer.state_dict()
-    order = [n for g in optimizer.param_groups for n in _names(g["params"], params)]
+    order = [n for names in _groups(optimizer, params) for n in names]
     groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [order[i] for i in g["params"]]} for g in sd["param_groups"]]
     scalars: dict[str, dict[str, Any]] = {}
     tensors: dict[str, list[int]] = {}
@@ -168,7 +153,7 @@ def _describe(optimizer: Any, params: Mapping[str, Any]) -> tuple[str | None, di
 
 def _state_tensors(optimizer: Any, params: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     """The optimizer's state tensors shaped like their parameters, as float32 CPU tensors, by ``<key>/<parameter>``."""
-    order = [n for g in optimizer.param_groups for n in _names(g["params"], params)]
+    order = [n for names in _groups(optimizer, params) for n in names]
     out = {}
     for index, values in optimizer.state_dict()["state"].items():
         for key, v in values.items():
@@ -179,7 +164,8 @@ def _state_tensors(optimizer: Any, params: Mapping[str, Any]) -> dict[str, torch
 
 def _load_torch(optimizer: Any, params: Mapping[str, Any], saved: Mapping[str, Any], tensors: Mapping[str, np.ndarray]) -> None:
     """Hand a saved replicated optimizer state to ``optimizer.load_state_dict`` (its groups' order, its indices)."""
-    order = [n for g in optimizer.param_groups for n in _names(g["params"], params)]
+    mine = _groups(optimizer, params)
+    order = [n for names in mine for n in names]
     index = {n: i for i, n in enumerate(order)}
     per: dict[int, dict[str, Any]] = {}
     for key, values in tensors.items():
@@ -189,8 +175,5 @@ def _load_torch(optimizer: Any, params: Mapping[str, Any], saved: Mapping[str, A
         for k, v in values.items():
             per.setdefault(index[name], {})[k] = torch.tensor(v["tensor"], dtype=getattr(torch, v["dtype"])) if isinstance(v, dict) and "tensor" in v else v
     by_names = {tuple(sorted(g["params"])): g for g in saved["param_groups"]}
-    groups = []
-    for g in optimizer.param_groups:
-        names = _names(g["params"], params)
-        groups.append({**by_names[tuple(sorted(names))], "params": [index[n] for n in names]})
+    groups = [{**by_names[tuple(sorted(names))], "params": [index[n] for n in names]} for names in mine]
     optimizer.load_state_dict({"state": per, "param_groups": groups})

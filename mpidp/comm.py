@@ -337,6 +337,16 @@ class Communicator:
         finally:
             self.operation = None
 
+    def Alltoall(self, send: np.ndarray, recv: np.ndarray, operation: str = "Alltoall") -> None:
+        """Rank ``j``'s share of host ``send`` (``size`` equal shares) to rank ``j``; ``recv`` gets every rank's share for this one, in rank order."""
+        self._enter(operation)
+        try:
+            self.comm.Alltoall(send, recv)
+        except MPI.Exception as e:
+            raise self._fail(operation, e) from e
+        finally:
+            self.operation = None
+
     def Allgather_in_place(self, buf: np.ndarray, operation: str = "Allgather") -> None:
         """Give every rank every rank's share of host byte buffer ``buf`` (``size`` equal shares, rank order)."""
         self._enter(operation)

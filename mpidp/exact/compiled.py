@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 from numba import njit
 
-__all__ = ["maxabs", "pack", "pack_float", "unpack", "unpack_float"]
+__all__ = ["combine", "maxabs", "pack", "pack32", "pack_float", "unpack", "unpack_float"]
 
 
 def _compiled(signature: str) -> Any:
@@ -95,3 +95,62 @@ def unpack(ints: np.ndarray, scale: float, weight: float, out: np.ndarray) -> No
     """``out = float32(float64(ints) * scale / weight)`` (``scale`` a power of two: exact)."""
     for i in range(ints.size):
         out[i] = np.float32(np.float64(ints[i]) * scale / weight)
+
+
+@_compiled("void(float32[::1], float64, float64, float32[::1])")
+def pack32(x: np.ndarray, scale: float, step: float, out: np.ndarray) -> None:  # pragma: no cover - compiled
+    """``out = float32(rint(x * scale) * step + 0.0)``: one fold's integers at the agreed quantum (24 significant bits,
+    below 2**53: exact as float32; a zero is +0.0, so that a sum of zeros is +0.0 as an integer's conversion)."""
+    for i in range(x.size):
+        out[i] = np.float32(np.rint(np.float64(x[i]) * scale) * step + 0.0)
+
+
+#: values per block of :func:`combine`'s float64 sums past two rows (32 KiB: a core's L1 cache)
+_SUMS = 4096
+
+
+@_compiled("void(float32[::1], int64, int64[::1], float64, float32[::1])")
+def _combine(flat: np.ndarray, stride: int, rows: np.ndarray, divisor: float, out: np.ndarray) -> None:  # pragma: no cover - compiled
+    n = out.size
+    a = flat[rows[0] * stride : rows[0] * stride + n]
+    if rows.size == 1:
+        for i in range(n):
+            out[i] = np.float32((0.0 + np.float64(a[i])) / divisor)
+        return
+    if rows.size == 2:  # one loop, vectorized: 2 ranks, the common case
+        b = flat[rows[1] * stride : rows[1] * stride + n]
+        for i in range(n):
+            out[i] = np.float32((0.0 + np.float64(a[i]) + np.float64(b[i])) / divisor)
+        return
+    sums = np.empty(min(n, _SUMS), np.float64)
+    for lo in range(0, n, _SUMS):
+        m = min(_SUMS, n - lo)
+        s = sums[:m]
+        first = a[lo : lo + m]
+        for i in range(m):
+            s[i] = 0.0 + np.float64(first[i])
+        for k in range(1, rows.size):
+            row = flat[rows[k] * stride + lo : rows[k] * stride + lo + m]
+            for i in range(m):
+                s[i] += np.float64(row[i])
+        o = out[lo : lo + m]
+        for i in range(m):
+            o[i] = np.float32(s[i] / divisor)
+
+
+def combine(parts: np.ndarray, rows: tuple[int, ...], divisor: float, out: np.ndarray) -> None:
+    """``out = float32((0.0 + sum of float64(parts[j]) for j in rows) / divisor)``; ``parts``: rows of contiguous float32.
+
+    One loop for one or two rows, else block by block, each a loop the
+    compiler vectorizes: a float64 sum per row, then the quotient. The terms are integers of one quantum and every
+    partial sum is exact (below 2**53), so the order does not matter; the
+    sum starts at +0.0, so a zero sum is +0.0, as an integer's conversion.
+    """
+    if parts.shape[1] == 0:
+        return
+    if not rows:
+        out[...] = 0
+        return
+    stride = parts.strides[0] // 4 if parts.shape[0] > 1 else parts.shape[1]
+    flat = np.lib.stride_tricks.as_strided(parts, shape=((parts.shape[0] - 1) * stride + parts.shape[1],), strides=(4,))
+    _combine(flat, stride, np.asarray(rows, np.int64), divisor, out)

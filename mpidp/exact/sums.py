@@ -106,7 +106,7 @@ Measured = tuple[np.ndarray, "int | None", "np.ndarray | None"]
 class Facts:
     """The agreed facts of one slot over the ranks with a weight: finest quantum, largest exponent, folds."""
 
-    __slots__ = ("count", "overflow", "quantum", "special", "top")
+    __slots__ = ("count", "overflow", "quantum", "ranks", "single", "special", "top")
 
     def __init__(self, words: Sequence[int]) -> None:
         self.quantum: int | None = None
@@ -114,11 +114,17 @@ class Facts:
         self.count = 0
         self.special = False
         self.overflow = False
-        for word in words:
+        #: the positions of ``words`` (ranks, where every rank gives one: 0 for a rank without a weight) that have a quantum
+        self.ranks: tuple[int, ...] = ()
+        #: whether no word holds more than one fold (each rank's integers are one rounded float32 each)
+        self.single = True
+        for j, word in enumerate(words):
             q, top, count, special, overflow = decode(word)
             self.special |= special
             self.overflow |= overflow
+            self.single &= count <= 1
             if q is not None:
+                self.ranks += (j,)
                 self.quantum = q if self.quantum is None else min(self.quantum, q)
                 self.top = max(self.top, top)
                 self.count += count
@@ -136,7 +142,8 @@ def _span(top: int, quantum: int, count: int) -> int:
 
 
 class Stage(NamedTuple):
-    """The chunk buffers of an exact window: two int64 send chunks (used in turns), this rank's summed share, the float32 results.
+    """The chunk buffers of an exact window: two int64 send chunks (used in turns), this rank's summed share, the float32 results,
+    every rank's part of this rank's share.
 
     Packing into the chunk the other ranks read in the previous call made
     the pack 20-30% slower at 2 ranks (its cache lines were theirs).
@@ -145,6 +152,8 @@ class Stage(NamedTuple):
     send: tuple[np.ndarray, np.ndarray]
     shard: np.ndarray
     floats: np.ndarray
+    #: every rank's float32 integers of this rank's share (a thin chunk: :meth:`Accumulator.thin`), a row per rank
+    parts: np.ndarray
 
 
 class Accumulator:
@@ -260,7 +269,7 @@ class Accumulator:
         """The chunk buffers, made on first use: ``chunk`` int64 values, a multiple of ``size``."""
         if self._stage is None or self._stage.send[0].size != chunk:
             send = (np.empty(chunk, np.int64), np.empty(chunk, np.int64))
-            self._stage = Stage(send, np.empty(chunk // size, np.int64), np.empty(chunk, np.float32))
+            self._stage = Stage(send, np.empty(chunk // size, np.int64), np.empty(chunk, np.float32), np.empty(chunk, np.float32))
         return self._stage
 
     def pack(self, lo: int, hi: int, facts: Sequence[Facts], out: np.ndarray) -> None:
@@ -289,6 +298,43 @@ class Accumulator:
         """Whether slot space ``[lo, hi)``'s integers may travel as float64: every agreed slot spans :data:`FLOAT_BITS` or fewer."""
         spans = (_span(f.top, f.quantum, f.count) for f in (facts[i] for i, _, _ in self.pieces(lo, hi)) if f.quantum is not None)
         return all(span <= FLOAT_BITS for span in spans)
+
+    def thin(self, lo: int, hi: int, facts: Sequence[Facts]) -> bool:
+        """Whether slot space ``[lo, hi)`` may travel as float32: every agreed slot spans :data:`FLOAT_BITS` or fewer, one fold per rank.
+
+        Each rank's integers at the agreed quantum are then one fold's
+        rounded float32 value times a power of two: at most 24 significant
+        bits below 2**53, exact as float32 (:meth:`pack32`); the owner sums
+        every rank's in float64 (:meth:`combine`), exactly. The exchange moves
+        the bytes of the default float32 path.
+        """
+        return all(f.quantum is None or (f.single and _span(f.top, f.quantum, f.count) <= FLOAT_BITS) for f in (facts[i] for i, _, _ in self.pieces(lo, hi)))
+
+    def pack32(self, lo: int, hi: int, facts: Sequence[Facts], out: np.ndarray) -> None:
+        """Slot space ``[lo, hi)``, this rank's one fold or measured gradient per slot, at the agreed quanta as float32 into ``out``
+        (where :meth:`thin`)."""
+        k = kernels(self.mode)
+        for i, a, b in self.pieces(lo, hi):
+            o, base, q = out[a - lo : b - lo], self.starts[i], facts[i].quantum
+            x, e, _ = self.pending.get(i, _NOTHING)
+            if q is None or (e is None and self.quantum[i] is None):  # nothing here: zeros
+                o[...] = 0
+            elif e is not None:
+                k.pack32(x[a - base : b - base], 2.0 ** (BITS - e), 2.0 ** (e - BITS - q), o)
+            else:  # one fold, already rounded: the int64 times a power of two (exact)
+                np.multiply(self.buffer()[a:b], 2.0 ** (self.quantum[i] - q), out=o, casting="unsafe")  # type: ignore[operator]
+                o += 0.0  # no -0.0 is sent
+
+    def combine(self, lo: int, hi: int, facts: Sequence[Facts], parts: np.ndarray, global_weight: int, out: np.ndarray) -> None:
+        """Sum every rank's float32 integers of slot space ``[lo, hi)`` (``parts``: a row per rank, from ``lo``) and convert once,
+        as :meth:`unpack`, into ``out``."""
+        k = kernels(self.mode)
+        for i, a, b in self.pieces(lo, hi):
+            f, o = facts[i], out[a - lo : b - lo]
+            if f.quantum is None:
+                o[...] = 0
+            else:
+                k.combine(parts[:, a - lo : b - lo], f.ranks, global_weight / 2.0**f.quantum, o)
 
     def unpack(self, lo: int, hi: int, facts: Sequence[Facts], ints: np.ndarray, global_weight: int, out: np.ndarray) -> None:
         """Convert summed ints (int64, or float64) of slot space ``[lo, hi)`` to float32 ``ints * 2**quantum / global_weight`` into ``out``."""
@@ -367,6 +413,17 @@ class _NumPy:
         ints = (np.rint(x.astype(np.float64) * scale) + 0.0) * step if x.size else 0.0  # + 0.0: zeros are +0.0
         base = acc.astype(np.float64) * shift if acc.size else 0.0
         out[...] = base + ints
+
+    @staticmethod
+    def pack32(x: np.ndarray, scale: float, step: float, out: np.ndarray) -> None:
+        out[...] = np.rint(x.astype(np.float64) * scale) * step + 0.0  # 24 significant bits, below 2**53: exact as float32
+
+    @staticmethod
+    def combine(parts: np.ndarray, rows: tuple[int, ...], divisor: float, out: np.ndarray) -> None:
+        total = np.zeros(out.size)  # +0.0 first: a zero sum is +0.0, as an integer's conversion
+        for j in rows:
+            total += parts[j]
+        out[...] = (total / divisor).astype(np.float32)
 
     @staticmethod
     def unpack(ints: np.ndarray, scale: float, weight: float, out: np.ndarray) -> None:

@@ -26,6 +26,12 @@ correctly rounded once as theirs:
   complement, no overflow within the agreed span);
 - ``pack_float``: the same integers as float64 values, rounded by adding and
   subtracting 1.5 * 2**52 (round half to even, +0.0 for zero);
+- ``pack32``: ``pack``'s rounded product times the step, plus 0.0 (a
+  zero is +0.0), kept as float32 (a fold's integers have at most 24
+  significant bits and lie below 2**53 at the agreed quantum: exact);
+- ``combine``: the rows converted to float64 and added (integers of one
+  quantum below 2**53: exact in any order; no -0.0 is sent), then
+  ``unpack``'s quotient;
 - ``unpack`` and ``unpack_float``: float64 values (``int64`` converted
   with rounding to nearest, as NumPy's ``astype``) divided by ``weight /
   scale`` and rounded once to float32: ``scale`` is a power of two and the
@@ -42,10 +48,13 @@ import numpy as np
 
 torch = sys.modules["torch"]  # reached only where the process has imported torch: mpidp never imports it here
 
-__all__ = ["BLOCK", "maxabs", "pack", "pack_float", "unpack", "unpack_float"]
+__all__ = ["BLOCK", "BLOCK32", "combine", "maxabs", "pack", "pack32", "pack_float", "unpack", "unpack_float"]
 
 #: values per block: 512 KiB of float64 or int64 scratch (a core's L2 cache holds it and the block it writes)
 BLOCK = 1 << 16
+#: values per block of :func:`pack32` and :func:`combine`: fewer operations (each costs microseconds to dispatch),
+#: while a block and its float64 scratch stay in a core's L2 cache
+BLOCK32 = 1 << 17
 #: adding and subtracting it rounds a float64 of magnitude below 2**51 to an integer, half to even
 _ROUND = 1.5 * 2.0**52
 _FINITE = 0x7F800000
@@ -157,3 +166,45 @@ def unpack_float(values: np.ndarray, scale: float, weight: float, out: np.ndarra
     for lo in range(0, n, BLOCK):
         hi = min(n, lo + BLOCK)
         o[lo:hi].copy_(torch.div(v[lo:hi], weight / scale, out=doubles[: hi - lo]))
+
+
+def pack32(x: np.ndarray, scale: float, step: float, out: np.ndarray) -> None:
+    """``out = float32(rint(x * scale) * step + 0.0)``: one fold's integers at the agreed quantum (exact as float32)."""
+    xs, o = torch.from_numpy(x), torch.from_numpy(out)
+    factors = _factors(scale)
+    for lo in range(0, x.size, BLOCK32):
+        ob = o[lo : lo + BLOCK32]
+        torch.mul(xs[lo : lo + BLOCK32], factors[0], out=ob)
+        for factor in factors[1:]:
+            ob.mul_(factor)
+        ob.round_()  # half to even
+        if step != 1.0:
+            ob.mul_(step)
+        ob.add_(0.0)  # -0.0 becomes +0.0
+
+
+def combine(parts: np.ndarray, rows: tuple[int, ...], divisor: float, out: np.ndarray) -> None:
+    """``out = float32((0.0 + sum of float64(parts[j]) for j in rows) / divisor)``; ``parts``: rows of contiguous float32.
+
+    Every operation has one dtype or is a copy that converts: torch makes
+    a temporary for an operation that mixes dtypes (``add_`` of float32
+    into float64, a float64 quotient into float32), and that costs more
+    than the operation. The sum starts from the first row: :func:`pack32`
+    sends no -0.0.
+    """
+    p, o, n = torch.from_numpy(parts), torch.from_numpy(out), out.size
+    if not rows:
+        o.zero_()
+        return
+    m = min(BLOCK32, n)
+    doubles, term = torch.empty(m, dtype=torch.float64), torch.empty(m if len(rows) > 1 else 0, dtype=torch.float64)
+    for lo in range(0, n, BLOCK32):
+        hi = min(n, lo + BLOCK32)
+        d = doubles[: hi - lo]
+        d.copy_(p[rows[0], lo:hi])
+        for j in rows[1:]:
+            t = term[: hi - lo]
+            t.copy_(p[j, lo:hi])
+            d.add_(t)
+        d.div_(divisor)  # in float64, rounded once
+        o[lo:hi].copy_(d)  # and once to float32

@@ -71,8 +71,7 @@ class ExactWindow:
 
     def facts(self, rows: Sequence[Sequence[int]]) -> tuple[exact.Facts, ...]:
         """Every slot's agreed facts over the ranks with a weight; ContractError (every rank alike) where one would overflow."""
-        weighted = [r for r in rows if r[Window.WEIGHT]]
-        facts = tuple(exact.Facts([r[self.base + i] for r in weighted]) for i in range(len(self.slots)))
+        facts = tuple(exact.Facts([r[self.base + i] if r[Window.WEIGHT] else 0 for r in rows]) for i in range(len(self.slots)))
         for group, f in zip(self.slots.groups, facts):
             if f.overflow:
                 raise ContractError(
@@ -109,6 +108,7 @@ class ExactWindow:
                 acc, facts, targets, agreed.weight > 0, agreed.global_weight, chunk_bytes // 8, comm.rank, comm.size,
                 lambda send, recv: comm.Reduce_scatter_block(send, recv, f"{operation}: Reduce_scatter_block (integers)"),
                 lambda b: comm.Allgather_in_place(b, f"{operation}: Allgather"),
+                lambda send, recv: comm.Alltoall(send, recv, f"{operation}: Alltoall (float32 integers)"),
             )
             if any(f.special for f in facts):
                 self._specials(facts, agreed.weight > 0, targets, comm, operation)
@@ -146,15 +146,25 @@ def _fold_problem(name: str, g: Any, group: Any, seen: set[int], frozen: frozens
 def reduce(
     acc: exact.Accumulator, facts: Sequence[exact.Facts], targets: Sequence[Any], weighted: bool, global_weight: int,
     chunk: int, rank: int, size: int, scatter: Callable[[np.ndarray, np.ndarray], None], gather: Callable[[np.ndarray], None],
+    exchange: Callable[[np.ndarray, np.ndarray], None],
 ) -> None:
     """Sum the window's integers over the ranks and write each target's exact result (collective, after the agreement).
 
-    Chunk by chunk of ``chunk`` int64 values: pack at the agreed quanta
-    (zeros where this rank has no weight; as float64 where the agreed facts
-    allow, :meth:`mpidp.exact.Accumulator.floats`), ``scatter`` (a Reduce_scatter_block:
-    this rank's share summed), convert this rank's share to float32,
-    ``gather`` (an Allgather in place), write into ``targets`` (a host array
-    per globally present slot, else None). Every rank calls the same
+    Chunk by chunk of ``chunk`` values, this rank's share of each summed
+    one of two ways, decided on the agreed facts (every rank alike):
+
+    - *thin* (:meth:`mpidp.exact.Accumulator.thin`: one fold per rank and
+      slot, 53 bits or fewer): pack each rank's integers at the agreed
+      quanta as float32, ``exchange`` (an Alltoall: every rank's part of
+      this rank's share; the default path's bytes, no MPI arithmetic), sum
+      them in float64 and convert once;
+    - else pack at the agreed quanta as int64 (as float64 where the agreed
+      facts allow, :meth:`mpidp.exact.Accumulator.floats`), ``scatter`` (a
+      Reduce_scatter_block: this rank's share summed), convert.
+
+    Zeros are packed where this rank has no weight. Then ``gather`` (an
+    Allgather in place) and write into ``targets`` (a host array per
+    globally present slot, else None). Every rank calls the same
     collectives: ``chunk`` and the slots are agreed facts.
     """
     c = max(size, chunk // size * size)
@@ -164,23 +174,34 @@ def reduce(
     for k, lo in enumerate(range(0, acc.total, c)):
         hi = min(lo + c, acc.total)
         width = -(-(hi - lo) // size) * size
-        send, part = stage.send[k % 2][:width], width // size
-        shard = stage.shard[:part]
-        if acc.floats(lo, hi, facts):  # float64 sums of integers below 2**53: exact, and no conversion passes
-            send, shard = send.view(np.float64), shard.view(np.float64)
+        part = width // size
         direct = region is not None and lo + width <= acc.total  # gathered straight into the targets
-        if weighted:
-            acc.pack(lo, hi, facts, send[: hi - lo])
-            send[hi - lo :] = 0
-        else:
-            send[...] = 0
-        ints = send
-        if size > 1:
-            scatter(send, shard)
-            ints = shard
-        mine_lo, mine_hi = min(hi, lo + rank * part), min(hi, lo + (rank + 1) * part)
         floats = region[lo : lo + width] if direct else stage.floats[:width]  # type: ignore[index]
-        acc.unpack(mine_lo, mine_hi, facts, ints[: mine_hi - mine_lo], global_weight, floats[mine_lo - lo : mine_hi - lo])
+        mine_lo, mine_hi = min(hi, lo + rank * part), min(hi, lo + (rank + 1) * part)
+        mine = floats[mine_lo - lo : mine_hi - lo]
+        if acc.thin(lo, hi, facts):  # float32 integers summed by their owner: the default path's bytes
+            send32 = stage.send[k % 2].view(np.float32)[:width]
+            if weighted:  # else nobody reads this rank's part
+                acc.pack32(lo, hi, facts, send32[: hi - lo])
+            parts = send32.reshape(1, width)
+            if size > 1:
+                exchange(send32, stage.parts[:width])
+                parts = stage.parts[:width].reshape(size, part)
+            acc.combine(mine_lo, mine_hi, facts, parts, global_weight, mine)
+        else:
+            send, shard = stage.send[k % 2][:width], stage.shard[:part]
+            if acc.floats(lo, hi, facts):  # float64 sums of integers below 2**53: exact, and no conversion passes
+                send, shard = send.view(np.float64), shard.view(np.float64)
+            if weighted:
+                acc.pack(lo, hi, facts, send[: hi - lo])
+                send[hi - lo :] = 0
+            else:
+                send[...] = 0
+            ints = send
+            if size > 1:
+                scatter(send, shard)
+                ints = shard
+            acc.unpack(mine_lo, mine_hi, facts, ints[: mine_hi - mine_lo], global_weight, mine)
         if size > 1:
             gather(floats)
         if not direct:

@@ -208,14 +208,21 @@ def run_route(route: str, batches: list[list[np.ndarray]], groups: list[list[int
         for j, b in enumerate(members):
             for i, g in enumerate(batches[b]):
                 (acc.fold if j < len(members) - 1 else acc.measure)(i, g)
-    facts = [exact.Facts([acc.word(i) for acc in ranks if acc.present(i)]) for i in range(len(sizes))]
+    facts = [exact.Facts([acc.word(i) for acc in ranks]) for i in range(len(sizes))]  # a rank without the slot: word 0
     assert not any(f.overflow for f in facts)
     acc = ranks[0]
     ints, doubles = np.zeros(acc.total, np.int64), np.zeros(acc.total, np.float64)
     via_ints, via_doubles = np.empty(acc.total, np.float32), np.zeros(acc.total, np.float32)
-    narrow = np.zeros(acc.total, bool)
+    narrow, thin, via_thin, wire = np.zeros(acc.total, bool), np.zeros(acc.total, bool), np.zeros(acc.total, np.float32), []
     for lo in range(0, acc.total, chunk):
         hi = min(lo + chunk, acc.total)
+        if acc.thin(lo, hi, facts):  # one fold per rank: float32 on the wire, the owner sums in float64
+            parts = np.empty((len(ranks), hi - lo), np.float32)
+            for j, r in enumerate(ranks):
+                r.pack32(lo, hi, facts, parts[j])
+            acc.combine(lo, hi, facts, parts, 7, via_thin[lo:hi])
+            thin[lo:hi] = True
+            wire.append(parts.tobytes())
         for r in ranks:
             packed = np.empty(hi - lo, np.int64)
             r.pack(lo, hi, facts, packed)
@@ -236,7 +243,8 @@ def run_route(route: str, batches: list[list[np.ndarray]], groups: list[list[int
         np.copyto(via_ints[a:b], kept, where=kept != 0)
     words = np.array([r.word(i) for r in ranks for i in range(len(sizes))], np.uint64)
     return {"words": words.tobytes(), "ints": ints.tobytes(), "results": via_ints.tobytes(), "specials": specials,
-            "doubles": doubles.tobytes(), "via_doubles": via_doubles.tobytes(), "narrow": narrow.tobytes()}
+            "doubles": doubles.tobytes(), "via_doubles": via_doubles.tobytes(), "narrow": narrow.tobytes(),
+            "thin": thin.tobytes(), "via_thin": via_thin.tobytes(), "wire": b"".join(wire)}
 
 
 def test_where_numba_is_absent_a_process_that_imported_torch_gets_torch_s_passes() -> None:
@@ -249,6 +257,23 @@ def test_where_numba_is_absent_a_process_that_imported_torch_gets_torch_s_passes
     else:
         assert exact.route() == "numba"
     assert exact.route("numpy") == "numpy" and exact.route("torch") == "torch"
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_one_fold_per_rank_crosses_as_float32_and_sums_to_the_int64_bits_on_every_route(route: str) -> None:
+    """Twelve ranks of one micro-batch each: the float32 exchange (Accumulator.thin) gives the int64 results bit for bit, and
+    every route puts the same float32 bytes on the wire (ranks may run different routes)."""
+    batches = hard_folds()
+    groups = [[b] for b in range(12)]
+    got, ref = run_route(use(route), batches, groups), run_route("numpy", batches, groups)
+    assert got == ref, [key for key in got if got[key] != ref[key]]
+    results, via_thin = np.frombuffer(got["results"], np.float32), np.frombuffer(got["via_thin"], np.float32)
+    thin = np.frombuffer(got["thin"], bool)
+    assert 0.3 < thin.mean() < 1  # both ran: the spread slot spans more than 53 bits
+    finite = thin & np.isfinite(results)  # where no inf or NaN won (they are summed apart)
+    assert results[finite].tobytes() == via_thin[finite].tobytes()
+    wire = np.frombuffer(got["wire"], np.float32)
+    assert not np.signbit(wire[wire == 0]).any() and np.array_equal(wire, np.rint(wire))  # integers, no -0.0 sent
 
 
 @pytest.mark.parametrize("route", ROUTES)

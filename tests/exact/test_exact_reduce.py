@@ -237,3 +237,57 @@ def test_gradient_buffers_take_the_results_in_place_with_the_same_bits(comm: MPI
     apart = len(copies)
     assert run(comm, True) == expected
     assert apart >= 10 and len(copies) - apart <= 1  # a call each chunk; in place, at most the padded last one copies
+
+
+# ------------------------------------------------------------------ one micro-batch per rank: float32 on the wire (issue 41)
+
+
+def one_each(case: str, i: int, n: int) -> dict[str, np.ndarray]:
+    """Micro-batch ``i`` of ``n``, one per rank, as the README's loop reduces them; ``case`` makes it hard."""
+    rng = np.random.default_rng([41, i])
+    g = {k: (rng.standard_normal(v.shape) * 10.0 ** rng.uniform(-1, 1)).astype(v.dtype) for k, v in params().items()}
+    if case == "zeros":  # -0.0 and values that round to -0.0 at the same places on every rank: the sums are +0.0
+        for v in g.values():
+            v.reshape(-1)[:3] = np.array([-0.0, -1e-30, -(2.0**-149)]).astype(v.dtype)
+    elif case == "wide" and i == n - 1 and n > 1:  # 2**18 above the others: more than 53 bits, the int64 exchange
+        g["w"] *= np.float32(2.0**18)
+    elif case == "nan" and i == 0:
+        g["w"][1, 2] = np.nan
+        g["b"][0] = -np.inf
+    return g
+
+
+@pytest.mark.parametrize("case", ["plain", "zeros", "wide", "nan", "join", "routes"])
+def test_one_micro_batch_per_rank_travels_as_float32_with_one_process_s_bits(comm: MPI.Comm, monkeypatch: pytest.MonkeyPatch, case: str) -> None:
+    """Each rank's one gradient crosses as float32 and its owner sums in float64 (Accumulator.thin): the bits of one process
+    that folded them all and summed its integers as int64 or float64, on every rank; with a rank of weight zero whose stale
+    buffers nobody reads, and with each rank on another route."""
+    import warnings
+
+    from mpidp.exact import sums as exact
+
+    n = comm.size
+    given = [i for i in range(n) if not (case == "join" and n > 1 and i == n - 1)]  # join: the last rank has no data left
+    with monkeypatch.context() as m:  # one process, every micro-batch folded: the int64 / float64 exchange
+        m.setattr(exact.Accumulator, "thin", lambda *a: False)
+        with mpidp.DataParallel.initialize(params(), MPI.COMM_SELF, exact=True) as dp:
+            for i in given[:-1]:
+                dp.fold(one_each(case, i, n))
+            out = dp.reduce(one_each(case, given[-1], n), 3 * len(given), mpidp.MissingGradientPolicy.ZERO).gradients
+            expected = {k: np.ascontiguousarray(v).tobytes() for k, v in sorted(out.items())}
+    if case == "routes":
+        if "torch" in routes():
+            import torch  # noqa: F401 - the torch route runs where the process imported torch
+        monkeypatch.setenv("MPIDP_EXACT_KERNELS", routes()[comm.rank % len(routes())])
+    thin: list[int] = []
+    combine = exact.Accumulator.combine
+    monkeypatch.setattr(exact.Accumulator, "combine", lambda *a: thin.append(1) or combine(*a))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", exact.SlowPassesWarning)
+        with mpidp.DataParallel.initialize(params(), comm, exact=True) as dp:
+            for window_ in range(2):  # the second window: stale buffers from the first
+                mine = one_each(case, comm.rank, n) if comm.rank in given else {}
+                out = dp.reduce(mine, 3 * len(mine) // 3 if mine else 0, mpidp.MissingGradientPolicy.ZERO).gradients
+                got = {k: np.ascontiguousarray(v).tobytes() for k, v in sorted(out.items())}
+                assert comm.allgather(got == expected) == [True] * n, f"window {window_}"
+    assert bool(thin) == (case != "wide" or n == 1)  # the float32 exchange ran, but where a slot spans too many bits

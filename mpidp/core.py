@@ -171,6 +171,22 @@ class DataParallel(Session):
             self._failed = str(e)
             raise
 
+    def reduce_exact_owned(self, agreed: Agreed, bounds: Sequence[int], out: Any, operation: str) -> bool:
+        """The exact path's movement of only this rank's slice of the flat trainable storage into ``out`` (collective).
+
+        ``bounds``: every rank's slice of the storage (slots back to back in
+        index order). False, with nothing moved, where the agreed window does
+        not allow it (:meth:`mpidp.exact.window.ExactWindow.reduce_owned`): then
+        :meth:`reduce_exact` the whole. Raises CollectiveError if MPI fails.
+        """
+        if self._exact is None:
+            raise ContractError("reduce_exact_owned needs an exact session: DataParallel.initialize(..., exact=True)")
+        try:
+            return self._exact.reduce_owned(agreed, self._comm, self._chunk_bytes // 4, bounds, out, operation)
+        except CollectiveError as e:
+            self._failed = str(e)
+            raise
+
     def _move(self, agreed: Agreed, operation: str) -> dict[str, Any]:
         """Sum, divide and cast back the agreed window's gradients (collective): the results by name."""
         entry = self._cache.plan(agreed.key, self._slots.sizes, len(self._transport.stage), self._slots.kinds)

@@ -458,19 +458,31 @@ def route(mode: str = "auto") -> str:
 
 
 class SlowPassesWarning(UserWarning):
-    """An exact session runs NumPy's passes: several times slower than numba's or torch's (``initialize`` warns once)."""
+    """An exact session runs torch's or NumPy's passes, slower than numba's compiled ones (``initialize`` warns once)."""
 
 
+#: what torch's and numba's passes cost (docs/performance.md: Hugging Face GPT-2 29.0 M, 2 ranks, the README's loop)
+TORCH_COST = "the exact reduce about 2.2x the default path's (the step 1.05x) on a GPT-2 of 29 M parameters at 2 ranks"
+NUMBA_COST = "about 1.0-1.4x (the step 0.96x)"
 #: whether :func:`slow_passes_once` has spoken in this process
 _warned = False
 
 
 def slow_passes_once(mode: str) -> str | None:
-    """What NumPy's passes cost and how to get the fast ones, the first time an exact session of this process would run them; else None."""
+    """What torch's or NumPy's passes cost and how to get numba's, the first time an exact session of this process would run
+    them; else None."""
     global _warned
-    if _warned or route(mode) != "numpy":
+    way = route(mode)
+    if _warned or way == "numba":
         return None
     _warned = True
+    if way == "torch":
+        why = "numba is not installed" if mode == "auto" else f"MPIDP_EXACT_KERNELS={mode}"
+        return (
+            f"mpidp: exact=True runs its passes over the gradients as torch operations here ({why}): "
+            f"{TORCH_COST}, where numba's compiled passes cost {NUMBA_COST} (docs/performance.md). For them, "
+            "pip install numba (the mpidp[torch] extra brings it where numba has wheels); the bits are the same."
+        )
     why = "numba is not installed and torch is not imported" if mode == "auto" else f"MPIDP_EXACT_KERNELS={mode}"
     return (
         f"mpidp: exact=True runs its passes over the gradients in NumPy here ({why}): several times slower than numba's "

@@ -10,7 +10,9 @@ arithmetic is :mod:`mpidp.exact`'s.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+import bisect
+import itertools
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -116,6 +118,28 @@ class ExactWindow:
             acc.clear()
         return out
 
+    def reduce_owned(self, agreed: Any, comm: Any, chunk: int, bounds: Sequence[int], out: np.ndarray, operation: str) -> bool:
+        """Only this rank's slice ``[bounds[rank], bounds[rank + 1])`` of the flat trainable storage (slots back to back in index
+        order), exact, into float32 ``out``; False, with nothing done, where the window does not allow it (collective).
+
+        For a sharded optimizer: where every slot is :meth:`~mpidp.exact.Accumulator.thin`
+        and no rank holds inf or NaN (agreed facts: every rank decides alike),
+        each rank's float32 integers go straight to the slice's owner in
+        Alltoall rounds of ``chunk`` values per rank, and each owner sums and
+        converts its own slice only: the bytes of a float32 reduce-scatter,
+        no gather of gradients. Else the caller reduces the whole window.
+        The folds are gone after a True.
+        """
+        acc, facts = self.acc, agreed.exact
+        if any(f.special for f in facts) or not acc.thin(0, acc.total, facts):
+            return False
+        try:
+            owned(acc, facts, bounds, agreed.weight > 0, agreed.global_weight, chunk, comm.rank, comm.size, out,
+                  lambda send, recv: comm.Alltoall(send, recv, f"{operation}: Alltoall (float32 integers)"))
+        finally:
+            acc.clear()
+        return True
+
     def _specials(self, facts: Sequence[exact.Facts], weighted: bool, targets: Sequence[Any], comm: Any, operation: str) -> None:
         """inf and NaN: summed apart in float32 (no order either); they win over the finite sums as in a float sum."""
         acc = self.acc
@@ -209,6 +233,49 @@ def reduce(
     for i, values in later.items():
         t = targets[i]
         t[...] = values.reshape(t.shape)
+
+
+def owned(
+    acc: exact.Accumulator, facts: Sequence[exact.Facts], bounds: Sequence[int], weighted: bool, global_weight: int, chunk: int,
+    rank: int, size: int, out: np.ndarray, exchange: Callable[[np.ndarray, np.ndarray], None],
+) -> None:
+    """This rank's slice of the flat storage (``bounds``: every rank's, slots in index order) summed exactly into ``out``
+    (collective; every slot thin).
+
+    In round ``k`` rank ``j``'s block of the send buffer holds this rank's
+    float32 integers of the flat elements ``[bounds[j] + k c, ...)`` of
+    ``j``'s slice (``c`` per rank and round), and one Alltoall gives each
+    owner every rank's part of its next ``c`` elements, which it sums and
+    converts (:meth:`mpidp.exact.Accumulator.combine`).
+    """
+    c = max(1, chunk // size)
+    rounds = max(-(-(b - a) // c) for a, b in itertools.pairwise(bounds))
+    send, recv = np.empty(size * c, np.float32), np.empty(size * c, np.float32)
+    flat = np.cumsum((0, *acc.sizes)).tolist()  # where each slot starts in the flat storage (index order)
+    for k in range(rounds):
+        if weighted:  # else nobody reads this rank's blocks
+            for j in range(size):
+                lo = bounds[j] + k * c
+                for i, a, b, at in _flat_pieces(flat, lo, min(lo + c, bounds[j + 1])):
+                    s = acc.starts[i]
+                    acc.pack32(s + a, s + b, facts, send[j * c + at : j * c + at + b - a])
+        if size > 1:
+            exchange(send, recv)
+        parts = (recv if size > 1 else send).reshape(size, c)
+        lo = bounds[rank] + k * c
+        for i, a, b, at in _flat_pieces(flat, lo, min(lo + c, bounds[rank + 1])):
+            s = acc.starts[i]
+            acc.combine(s + a, s + b, facts, parts[:, at : at + b - a], global_weight, out[k * c + at : k * c + at + b - a])
+
+
+def _flat_pieces(flat: Sequence[int], lo: int, hi: int) -> Iterator[tuple[int, int, int, int]]:
+    """The slots of flat range ``[lo, hi)`` (``flat``: slot starts, index order): (slot, start, end within it, offset in the range)."""
+    i = bisect.bisect_right(flat, lo) - 1
+    while i < len(flat) - 1 and flat[i] < hi:
+        a, b = max(lo, flat[i]), min(hi, flat[i + 1])
+        if b > a:
+            yield i, a - flat[i], b - flat[i], a - lo
+        i += 1
 
 
 def _region(acc: exact.Accumulator, targets: Sequence[Any]) -> np.ndarray | None:

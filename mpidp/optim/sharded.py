@@ -312,7 +312,11 @@ class ShardedOptimizer:
     def _reduce(self, agreed: Any, present: list[bool], operation: str) -> np.ndarray:
         """This rank's slice of the window's global token mean, float32 (collective)."""
         lo, hi = self.cut.lo, self.cut.hi
-        if self._exact is not None:  # the exact reduction of the whole, then this rank's slice of it
+        if self._exact is not None:  # the exact reduction of this rank's slice, else of the whole, then the slice
+            if self._grad is None:
+                self._grad = np.empty(hi - lo, np.float32)
+            if self._dp.reduce_exact_owned(agreed, self.cut.bounds, self._grad, f"{operation}: gradients"):
+                return self._grad
             if self._whole is None:
                 self._whole = np.zeros(self.cut.begin[-1], np.float32)
             begin, whole = self.cut.begin, self._whole

@@ -248,7 +248,7 @@ def run_route(route: str, batches: list[list[np.ndarray]], groups: list[list[int
 
 
 def test_where_numba_is_absent_a_process_that_imported_torch_gets_torch_s_passes() -> None:
-    """The README's install (torch, no numba; scripts/test hides numba in one run): the fast route, and no warning."""
+    """A process with torch and without numba (scripts/test hides numba in one run): torch's passes, not NumPy's."""
     pytest.importorskip("torch")
     try:
         import numba  # noqa: F401

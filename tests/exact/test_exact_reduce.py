@@ -174,6 +174,29 @@ def test_numpy_s_passes_are_announced_once_on_the_root_rank(comm: MPI.Comm, monk
     assert "MPIDP_EXACT_KERNELS=numpy" in said and "pip install numba" in said and "import torch" in said
 
 
+def test_torch_s_passes_are_announced_once_on_the_root_rank_with_their_cost(comm: MPI.Comm, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A process with torch and without numba (MPIDP_EXACT_KERNELS=torch stands in for it) is told, once, on root, what the
+    torch passes cost against numba's and how to get numba's."""
+    import warnings
+
+    from mpidp.exact import sums as exact
+
+    pytest.importorskip("torch")
+    monkeypatch.setattr(exact, "_warned", False)
+    seen = []
+    for mode in ("torch", "torch", "auto"):
+        monkeypatch.setenv("MPIDP_EXACT_KERNELS", mode)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            mpidp.DataParallel.initialize(params(), comm, exact=True).close()
+        seen.append([str(w.message) for w in caught if issubclass(w.category, exact.SlowPassesWarning)])
+    every = comm.allgather(seen)
+    for rank, mine in enumerate(every):
+        assert [len(m) for m in mine] == ([1, 0, 0] if rank == 0 else [0, 0, 0]), f"rank {rank}: {mine}"
+    said = every[0][0][0]
+    assert "torch operations" in said and exact.TORCH_COST in said and exact.NUMBA_COST in said and "pip install numba" in said
+
+
 def test_every_rank_must_ask_for_it(comm: MPI.Comm) -> None:
     if comm.size == 1:
         pytest.skip("needs two ranks")

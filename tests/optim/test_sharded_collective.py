@@ -263,3 +263,37 @@ def test_a_checkpoint_loads_at_another_world_size(comm: MPI.Comm) -> None:
                 bad = {**hp, "kind": "adam"}
                 same_error_everywhere(sub, lambda: opt.load(bad, lambda *_: None), ContractError, "kind = 'adam'")
                 dp.close()
+
+
+@pytest.mark.parametrize("case", ["plain", "join", "wide"])
+def test_one_micro_batch_per_rank_reduces_only_each_owner_s_slice_with_the_same_bits(comm: MPI.Comm, monkeypatch: pytest.MonkeyPatch, case: str) -> None:
+    """Exact, one micro-batch per rank and window (the README's loop): each owner sums and converts only its own slice
+    (ExactWindow.reduce_owned: float32 integers in Alltoall rounds, no gather of gradients), with the bits of the whole
+    reduction; with a rank of weight zero; a slot whose ranks span more than 53 bits reduces the whole."""
+    from mpidp.exact.window import ExactWindow
+
+    owned = ExactWindow.reduce_owned
+    taken: list[bool] = []
+
+    def run(sub: MPI.Comm, mode: str) -> str:
+        p = params()
+        with monkeypatch.context() as m:
+            if mode == "whole":
+                m.setattr(ExactWindow, "reduce_owned", lambda *a: False)
+            else:
+                m.setattr(ExactWindow, "reduce_owned", lambda *a: taken.append(owned(*a)) or taken[-1])
+            with mpidp.DataParallel.initialize(p, sub, exact=True, chunk_bytes=4096) as dp:  # rounds cut inside tensors
+                opt = mo.sharded(dp, "adamw", [*GROUPS, {"params": ["h"]}], lr=1e-2, weight_decay=0.1)
+                for s in range(2):
+                    have = not (case == "join" and sub.size > 1 and sub.rank == sub.size - 1)
+                    g = micro(p, s, sub.rank) if have else {}
+                    if case == "wide" and sub.rank == 0:
+                        g["c"] *= np.float32(2.0**18)
+                    opt.step(g, sub.rank % 3 + 1 if have else 0, step=s, max_norm=5.0)
+        return sha(p)
+
+    found = every_size(comm, lambda sub: run(sub, "whole") == run(sub, "owned"))
+    assert all(all(v) for v in found.values()), found
+    every = [t for mine in comm.allgather(taken) for t in mine]
+    assert True in every  # the owned path ran
+    assert (False in every) == (case == "wide" and comm.size > 1)  # and only the wide slot over 2+ ranks fell back

@@ -345,7 +345,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--job", choices=("memory", "step", "checkpoint"), help=argparse.SUPPRESS)  # one job, inside mpiexec
     ap.add_argument("--variant", help=argparse.SUPPRESS)
     ap.add_argument("--dtype", default="float32", help=argparse.SUPPRESS)
-    ap.add_argument("--model", default=MODEL, help=argparse.SUPPRESS)
+    ap.add_argument("--model", default=MODEL, help="a model of benchmarks/train_step.py, e.g. hf-gpt2-29m (Hugging Face's GPT-2, 29.0 M: pip install transformers)")
     ap.add_argument("--warmup", type=int, default=2, help=argparse.SUPPRESS)
     ap.add_argument("--tmp", default=None, help="checkpoint: the folder for the temporary checkpoints (default: the system's)")
     args = ap.parse_args(argv)

@@ -463,7 +463,7 @@ class SlowPassesWarning(UserWarning):
 
 #: what torch's and numba's passes cost (docs/performance.md: Hugging Face GPT-2 29.0 M, 2 ranks, the README's loop)
 TORCH_COST = "the exact reduce about 2.2x the default path's (the step 1.05x) on a GPT-2 of 29 M parameters at 2 ranks"
-NUMBA_COST = "about 1.0-1.4x (the step 0.96x)"
+NUMBA_COST = "about 1.5x (the step 1.02x)"
 #: whether :func:`slow_passes_once` has spoken in this process
 _warned = False
 

@@ -120,22 +120,24 @@ class ExactWindow:
 
     def reduce_owned(self, agreed: Any, comm: Any, chunk: int, bounds: Sequence[int], out: np.ndarray, operation: str) -> bool:
         """Only this rank's slice ``[bounds[rank], bounds[rank + 1])`` of the flat trainable storage (slots back to back in index
-        order), exact, into float32 ``out``; False, with nothing done, where the window does not allow it (collective).
+        order), exact, into float32 ``out``; False, with nothing done, where some rank holds inf or NaN (collective).
 
-        For a sharded optimizer: where every slot is :meth:`~mpidp.exact.Accumulator.thin`
-        and no rank holds inf or NaN (agreed facts: every rank decides alike),
-        each rank's float32 integers go straight to the slice's owner in
-        Alltoall rounds of ``chunk`` values per rank, and each owner sums and
-        converts its own slice only: the bytes of a float32 reduce-scatter,
-        no gather of gradients. Else the caller reduces the whole window.
-        The folds are gone after a True.
+        For a sharded optimizer: each rank's integers go straight to the
+        slice's owner in rounds of ``chunk`` float32 values per rank, and each
+        owner sums and converts its own slice only, no gather of gradients
+        (:func:`owned`). Where a rank holds inf or NaN (an agreed fact: every
+        rank decides alike) the caller reduces the whole window instead. The
+        folds are gone after a True.
         """
         acc, facts = self.acc, agreed.exact
-        if any(f.special for f in facts) or not acc.thin(0, acc.total, facts):
+        if any(f.special for f in facts):
             return False
         try:
-            owned(acc, facts, bounds, agreed.weight > 0, agreed.global_weight, chunk, comm.rank, comm.size, out,
-                  lambda send, recv: comm.Alltoall(send, recv, f"{operation}: Alltoall (float32 integers)"))
+            owned(
+                acc, facts, bounds, agreed.weight > 0, agreed.global_weight, chunk, comm.rank, comm.size, out,
+                lambda send, recv: comm.Alltoall(send, recv, f"{operation}: Alltoall (float32 integers)"),
+                lambda send, recv: comm.Reduce_scatter_block(send, recv, f"{operation}: Reduce_scatter_block (integers)"),
+            )
         finally:
             acc.clear()
         return True
@@ -238,34 +240,50 @@ def reduce(
 def owned(
     acc: exact.Accumulator, facts: Sequence[exact.Facts], bounds: Sequence[int], weighted: bool, global_weight: int, chunk: int,
     rank: int, size: int, out: np.ndarray, exchange: Callable[[np.ndarray, np.ndarray], None],
+    scatter: Callable[[np.ndarray, np.ndarray], None],
 ) -> None:
     """This rank's slice of the flat storage (``bounds``: every rank's, slots in index order) summed exactly into ``out``
-    (collective; every slot thin).
+    (collective; no rank holds inf or NaN).
 
     In round ``k`` rank ``j``'s block of the send buffer holds this rank's
-    float32 integers of the flat elements ``[bounds[j] + k c, ...)`` of
-    ``j``'s slice (``c`` per rank and round), and one Alltoall gives each
-    owner every rank's part of its next ``c`` elements, which it sums and
-    converts (:meth:`mpidp.exact.Accumulator.combine`).
+    integers of the flat elements ``[bounds[j] + k c, ...)`` of ``j``'s slice
+    (``c`` per rank and round). Where every slot is :meth:`~mpidp.exact.Accumulator.thin`
+    they are float32 and ``exchange`` (an Alltoall) gives each owner every
+    rank's part of its next ``c`` elements, which it sums and converts
+    (:meth:`~mpidp.exact.Accumulator.combine`): the bytes of a float32
+    reduce-scatter. Else they are int64 (float64 where every slot allows,
+    :meth:`~mpidp.exact.Accumulator.floats`, zeros where this rank has no
+    weight) and ``scatter`` (a Reduce_scatter_block) sums each owner's, which
+    it converts. The choice is made on agreed facts: every rank alike.
     """
-    c = max(1, chunk // size)
+    thin = acc.thin(0, acc.total, facts)
+    dtype = np.float32 if thin else np.float64 if acc.floats(0, acc.total, facts) else np.int64
+    c = max(1, chunk // size // (1 if thin else 2))
     rounds = max(-(-(b - a) // c) for a, b in itertools.pairwise(bounds))
-    send, recv = np.empty(size * c, np.float32), np.empty(size * c, np.float32)
+    send, recv = np.empty(size * c, dtype), np.empty((size if thin else 1) * c, dtype)
     flat = np.cumsum((0, *acc.sizes)).tolist()  # where each slot starts in the flat storage (index order)
     for k in range(rounds):
-        if weighted:  # else nobody reads this rank's blocks
+        if not thin:
+            send[...] = 0  # summed by MPI: zeros past a slice's end, and everywhere where this rank has no weight
+        if weighted:  # thin: nobody reads a rank without weight
             for j in range(size):
                 lo = bounds[j] + k * c
                 for i, a, b, at in _flat_pieces(flat, lo, min(lo + c, bounds[j + 1])):
-                    s = acc.starts[i]
-                    acc.pack32(s + a, s + b, facts, send[j * c + at : j * c + at + b - a])
+                    s, o = acc.starts[i], send[j * c + at : j * c + at + b - a]
+                    if thin:
+                        acc.pack32(s + a, s + b, facts, o)
+                    else:
+                        acc.pack(s + a, s + b, facts, o)
         if size > 1:
-            exchange(send, recv)
-        parts = (recv if size > 1 else send).reshape(size, c)
+            (exchange if thin else scatter)(send, recv)
+        got = recv if size > 1 else send
         lo = bounds[rank] + k * c
         for i, a, b, at in _flat_pieces(flat, lo, min(lo + c, bounds[rank + 1])):
-            s = acc.starts[i]
-            acc.combine(s + a, s + b, facts, parts[:, at : at + b - a], global_weight, out[k * c + at : k * c + at + b - a])
+            s, o = acc.starts[i], out[k * c + at : k * c + at + b - a]
+            if thin:
+                acc.combine(s + a, s + b, facts, got.reshape(size, c)[:, at : at + b - a], global_weight, o)
+            else:
+                acc.unpack(s + a, s + b, facts, got[at : at + b - a], global_weight, o)
 
 
 def _flat_pieces(flat: Sequence[int], lo: int, hi: int) -> Iterator[tuple[int, int, int, int]]:

@@ -265,15 +265,18 @@ def test_a_checkpoint_loads_at_another_world_size(comm: MPI.Comm) -> None:
                 dp.close()
 
 
-@pytest.mark.parametrize("case", ["plain", "join", "wide"])
-def test_one_micro_batch_per_rank_reduces_only_each_owner_s_slice_with_the_same_bits(comm: MPI.Comm, monkeypatch: pytest.MonkeyPatch, case: str) -> None:
-    """Exact, one micro-batch per rank and window (the README's loop): each owner sums and converts only its own slice
-    (ExactWindow.reduce_owned: float32 integers in Alltoall rounds, no gather of gradients), with the bits of the whole
-    reduction; with a rank of weight zero; a slot whose ranks span more than 53 bits reduces the whole."""
+@pytest.mark.parametrize("case", ["plain", "join", "wide", "folds", "nan"])
+def test_each_owner_sums_and_converts_only_its_slice_with_the_bits_of_the_whole(comm: MPI.Comm, monkeypatch: pytest.MonkeyPatch, case: str) -> None:
+    """Exact: each owner sums and converts only its own slice (ExactWindow.reduce_owned, no gather of gradients), with the
+    bits of the whole reduction. One micro-batch per rank (the README's loop) crosses as float32 (Alltoall); a rank of
+    weight zero; ranks 2**18 apart (more than 53 bits) and two micro-batches per rank cross as 64-bit integers
+    (Reduce_scatter_block); inf or NaN on a rank reduce the whole."""
+    from mpidp.exact import sums
     from mpidp.exact.window import ExactWindow
 
-    owned = ExactWindow.reduce_owned
+    owned, combine = ExactWindow.reduce_owned, sums.Accumulator.combine
     taken: list[bool] = []
+    thin: dict[int, int] = {}
 
     def run(sub: MPI.Comm, mode: str) -> str:
         p = params()
@@ -282,18 +285,25 @@ def test_one_micro_batch_per_rank_reduces_only_each_owner_s_slice_with_the_same_
                 m.setattr(ExactWindow, "reduce_owned", lambda *a: False)
             else:
                 m.setattr(ExactWindow, "reduce_owned", lambda *a: taken.append(owned(*a)) or taken[-1])
+                m.setattr(sums.Accumulator, "combine", lambda *a: thin.update({sub.size: thin.get(sub.size, 0) + 1}) or combine(*a))
             with mpidp.DataParallel.initialize(p, sub, exact=True, chunk_bytes=4096) as dp:  # rounds cut inside tensors
                 opt = mo.sharded(dp, "adamw", [*GROUPS, {"params": ["h"]}], lr=1e-2, weight_decay=0.1)
                 for s in range(2):
                     have = not (case == "join" and sub.size > 1 and sub.rank == sub.size - 1)
+                    if case == "folds":
+                        dp.fold(micro(p, s, sub.rank + sub.size))
                     g = micro(p, s, sub.rank) if have else {}
                     if case == "wide" and sub.rank == 0:
                         g["c"] *= np.float32(2.0**18)
-                    opt.step(g, sub.rank % 3 + 1 if have else 0, step=s, max_norm=5.0)
+                    if case == "nan" and sub.rank == sub.size - 1:
+                        g["b"][3] = np.nan
+                    opt.step(g, (sub.rank % 3 + 1) * (1 + (case == "folds")) if have else 0, step=s, max_norm=None if case == "nan" else 5.0)
         return sha(p)
 
     found = every_size(comm, lambda sub: run(sub, "whole") == run(sub, "owned"))
     assert all(all(v) for v in found.values()), found
-    every = [t for mine in comm.allgather(taken) for t in mine]
-    assert True in every  # the owned path ran
-    assert (False in every) == (case == "wide" and comm.size > 1)  # and only the wide slot over 2+ ranks fell back
+    assert {t for mine in comm.allgather(taken) for t in mine} == {case != "nan"}  # owned everywhere, but where a NaN was
+    if case != "nan":  # float32 where every rank has one micro-batch per window within 53 bits (a world of one: always)
+        sizes = {n for mine in comm.allgather(thin) for n in mine}
+        expected = set(found) if case in ("plain", "join") else {1} if case == "wide" else set()
+        assert sizes == expected, (sizes, expected)

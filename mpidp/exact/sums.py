@@ -47,6 +47,7 @@ import numpy as np
 
 from ..arrays import BFLOAT16
 from ..casts import Casts
+from . import numpy_passes as _NumPy  # the last resort: NumPy's forms of the passes
 
 __all__ = [
     "BITS", "FLOAT_BITS", "LIMIT", "MODES", "Accumulator", "Facts", "Measured", "SlowPassesWarning", "Stage", "decode", "encode", "kernels", "measured", "route", "shard",
@@ -386,52 +387,6 @@ def measured(values: Any, passes: Any = None) -> Measured:
     finite = np.isfinite(x)
     exact = np.asarray(values).astype(np.float32).reshape(-1)  # NaN payloads as NumPy upcasts them, whoever upcast x
     return np.where(finite, x, np.float32(0)), e, np.where(finite, np.float32(0), exact)
-
-
-class _NumPy:
-    """The passes of :mod:`mpidp.exact.compiled` in NumPy: the same bits, more passes."""
-
-    @staticmethod
-    def maxabs(bits: np.ndarray) -> tuple[int, bool]:
-        if bits.size == 0:
-            return 0, False
-        magnitudes = bits & np.uint32(0x7FFFFFFF)
-        top = int(magnitudes.max())
-        if top < 0x7F800000:
-            return top, False
-        finite = magnitudes[magnitudes < 0x7F800000]
-        return (int(finite.max()) if finite.size else 0), True
-
-    @staticmethod
-    def pack(x: np.ndarray, scale: float, t: int, acc: np.ndarray, s: int, out: np.ndarray) -> None:
-        ints = np.rint(x.astype(np.float64) * scale).astype(np.int64) << t if x.size else 0
-        base = acc << s if acc.size else 0
-        out[...] = base + ints
-
-    @staticmethod
-    def pack_float(x: np.ndarray, scale: float, step: float, acc: np.ndarray, shift: float, out: np.ndarray) -> None:
-        ints = (np.rint(x.astype(np.float64) * scale) + 0.0) * step if x.size else 0.0  # + 0.0: zeros are +0.0
-        base = acc.astype(np.float64) * shift if acc.size else 0.0
-        out[...] = base + ints
-
-    @staticmethod
-    def pack32(x: np.ndarray, scale: float, step: float, out: np.ndarray) -> None:
-        out[...] = np.rint(x.astype(np.float64) * scale) * step + 0.0  # 24 significant bits, below 2**53: exact as float32
-
-    @staticmethod
-    def combine(parts: np.ndarray, rows: tuple[int, ...], divisor: float, out: np.ndarray) -> None:
-        total = np.zeros(out.size)  # +0.0 first: a zero sum is +0.0, as an integer's conversion
-        for j in rows:
-            total += parts[j]
-        out[...] = (total / divisor).astype(np.float32)
-
-    @staticmethod
-    def unpack(ints: np.ndarray, scale: float, weight: float, out: np.ndarray) -> None:
-        out[...] = (ints.astype(np.float64) * scale / weight).astype(np.float32)
-
-    @staticmethod
-    def unpack_float(values: np.ndarray, scale: float, weight: float, out: np.ndarray) -> None:
-        out[...] = (values * scale / weight).astype(np.float32)
 
 
 _SIXTEEN = (np.dtype(np.float16), np.dtype(BFLOAT16))

@@ -11,7 +11,7 @@ them. The same five passes as :mod:`mpidp.exact.compiled`, with the same
 arguments.
 
 The bits are those of the compiled passes and of NumPy's forms
-(``mpidp.exact._NumPy``), element by element, whatever torch's thread
+(:mod:`mpidp.exact.numpy_passes`), element by element, whatever torch's thread
 count: every operation is elementwise, or a maximum, and exact or
 correctly rounded once as theirs:
 

@@ -176,22 +176,11 @@ def reduce(
 ) -> None:
     """Sum the window's integers over the ranks and write each target's exact result (collective, after the agreement).
 
-    Chunk by chunk of ``chunk`` values, this rank's share of each summed
-    one of two ways, decided on the agreed facts (every rank alike):
-
-    - *thin* (:meth:`mpidp.exact.Accumulator.thin`: one fold per rank and
-      slot, 53 bits or fewer): pack each rank's integers at the agreed
-      quanta as float32, ``exchange`` (an Alltoall: every rank's part of
-      this rank's share; the default path's bytes, no MPI arithmetic), sum
-      them in float64 and convert once;
-    - else pack at the agreed quanta as int64 (as float64 where the agreed
-      facts allow, :meth:`mpidp.exact.Accumulator.floats`), ``scatter`` (a
-      Reduce_scatter_block: this rank's share summed), convert.
-
-    Zeros are packed where this rank has no weight. Then ``gather`` (an
-    Allgather in place) and write into ``targets`` (a host array per
-    globally present slot, else None). Every rank calls the same
-    collectives: ``chunk`` and the slots are agreed facts.
+    Chunk by chunk of ``chunk`` values: this rank's share summed and
+    converted (:func:`_share`), ``gather`` (an Allgather in place), written
+    into ``targets`` (a host array per globally present slot, else None).
+    Every rank calls the same collectives: ``chunk`` and the slots are
+    agreed facts.
     """
     c = max(size, chunk // size * size)
     stage = acc.stage(c, size)  # two send chunks in turns: a chunk the other ranks just read is not packed into again
@@ -200,34 +189,9 @@ def reduce(
     for k, lo in enumerate(range(0, acc.total, c)):
         hi = min(lo + c, acc.total)
         width = -(-(hi - lo) // size) * size
-        part = width // size
         direct = region is not None and lo + width <= acc.total  # gathered straight into the targets
         floats = region[lo : lo + width] if direct else stage.floats[:width]  # type: ignore[index]
-        mine_lo, mine_hi = min(hi, lo + rank * part), min(hi, lo + (rank + 1) * part)
-        mine = floats[mine_lo - lo : mine_hi - lo]
-        if acc.thin(lo, hi, facts):  # float32 integers summed by their owner: the default path's bytes
-            send32 = stage.send[k % 2].view(np.float32)[:width]
-            if weighted:  # else nobody reads this rank's part
-                acc.pack32(lo, hi, facts, send32[: hi - lo])
-            parts = send32.reshape(1, width)
-            if size > 1:
-                exchange(send32, stage.parts[:width])
-                parts = stage.parts[:width].reshape(size, part)
-            acc.combine(mine_lo, mine_hi, facts, parts, global_weight, mine)
-        else:
-            send, shard = stage.send[k % 2][:width], stage.shard[:part]
-            if acc.floats(lo, hi, facts):  # float64 sums of integers below 2**53: exact, and no conversion passes
-                send, shard = send.view(np.float64), shard.view(np.float64)
-            if weighted:
-                acc.pack(lo, hi, facts, send[: hi - lo])
-                send[hi - lo :] = 0
-            else:
-                send[...] = 0
-            ints = send
-            if size > 1:
-                scatter(send, shard)
-                ints = shard
-            acc.unpack(mine_lo, mine_hi, facts, ints[: mine_hi - mine_lo], global_weight, mine)
+        _share(acc, facts, stage.send[k % 2][:width], stage, lo, hi, weighted, global_weight, rank, size, floats, scatter, exchange)
         if size > 1:
             gather(floats)
         if not direct:
@@ -235,6 +199,52 @@ def reduce(
     for i, values in later.items():
         t = targets[i]
         t[...] = values.reshape(t.shape)
+
+
+def _share(
+    acc: exact.Accumulator, facts: Sequence[exact.Facts], send: np.ndarray, stage: exact.Stage, lo: int, hi: int, weighted: bool,
+    global_weight: int, rank: int, size: int, floats: np.ndarray, scatter: Callable[[np.ndarray, np.ndarray], None],
+    exchange: Callable[[np.ndarray, np.ndarray], None],
+) -> None:
+    """This rank's share of chunk ``[lo, hi)`` (``send``: its int64 buffer, ``size`` equal shares), summed and converted into its
+    place in ``floats``, one of two ways decided on agreed facts (every rank alike).
+
+    - *thin* (:meth:`mpidp.exact.Accumulator.thin`: one fold per rank and
+      slot, 53 bits or fewer): each rank's integers at the agreed quanta as
+      float32, ``exchange`` (an Alltoall: every rank's part of this rank's
+      share; the default path's bytes, no MPI arithmetic), summed in float64
+      and converted once;
+    - else 64-bit integers at the agreed quanta (float64 where the agreed
+      facts allow, :meth:`mpidp.exact.Accumulator.floats`; zeros where this
+      rank has no weight), ``scatter`` (a Reduce_scatter_block), converted.
+    """
+    width = send.size
+    part = width // size
+    mine_lo, mine_hi = min(hi, lo + rank * part), min(hi, lo + (rank + 1) * part)
+    mine = floats[mine_lo - lo : mine_hi - lo]
+    if acc.thin(lo, hi, facts):  # float32 integers summed by their owner
+        send32 = send.view(np.float32)[:width]
+        if weighted:  # else nobody reads this rank's part
+            acc.pack32(lo, hi, facts, send32[: hi - lo])
+        parts = send32.reshape(1, width)
+        if size > 1:
+            exchange(send32, stage.parts[:width])
+            parts = stage.parts[:width].reshape(size, part)
+        acc.combine(mine_lo, mine_hi, facts, parts, global_weight, mine)
+        return
+    shard = stage.shard[:part]
+    if acc.floats(lo, hi, facts):  # float64 sums of integers below 2**53: exact, and no conversion passes
+        send, shard = send.view(np.float64), shard.view(np.float64)
+    if weighted:
+        acc.pack(lo, hi, facts, send[: hi - lo])
+        send[hi - lo :] = 0
+    else:
+        send[...] = 0
+    ints = send
+    if size > 1:
+        scatter(send, shard)
+        ints = shard
+    acc.unpack(mine_lo, mine_hi, facts, ints[: mine_hi - mine_lo], global_weight, mine)
 
 
 def owned(

@@ -15,7 +15,10 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-__all__ = ["BFLOAT16", "FLOATING", "ArrayInfo", "describe", "empty_like", "fingerprint", "flat_zeros", "host_bytes", "view", "zeros_like"]
+__all__ = [
+    "BFLOAT16", "FLOATING", "ArrayInfo", "describe", "empty_like", "fingerprint", "flat_zeros", "host_bytes", "synchronize", "to_host", "view",
+    "write_device", "zeros_like",
+]
 
 BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 #: dtypes mpidp synchronises; everything else is refused.
@@ -335,3 +338,19 @@ def host_region(start: int, nbytes: int, dtype: Any = np.uint8) -> np.ndarray:
     """A host array over ``nbytes`` of memory at address ``start``, owned by whoever owns that memory."""
     raw: Any = (_char * nbytes).from_address(start)
     return np.frombuffer(raw, dtype=dtype)
+
+
+def to_host(v: Any) -> np.ndarray:
+    """A host copy of device view ``v`` (after the current stream's queued work), or host ``v`` itself."""
+    return v if isinstance(v, np.ndarray) else v.get()
+
+
+def write_device(dst: Any, host: np.ndarray) -> None:
+    """Copy host ``host`` into device view ``dst`` (same shape and dtype) on the current stream; ``host`` may be reused at once."""
+    dst.set(np.ascontiguousarray(host))  # pageable memory: the driver stages it before the call returns
+
+
+def synchronize(v: Any) -> None:
+    """Wait for the current stream of device view ``v``'s device (nothing for a host array)."""
+    if not isinstance(v, np.ndarray):
+        xp(v).cuda.get_current_stream().synchronize()

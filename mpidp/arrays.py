@@ -353,4 +353,5 @@ def write_device(dst: Any, host: np.ndarray) -> None:
 def synchronize(v: Any) -> None:
     """Wait for the current stream of device view ``v``'s device (nothing for a host array)."""
     if not isinstance(v, np.ndarray):
-        xp(v).cuda.get_current_stream().synchronize()
+        with v.device:  # that device's current stream, whichever device is current here
+            xp(v).cuda.get_current_stream().synchronize()

@@ -115,7 +115,8 @@ class Facts:
         self.count = 0
         self.special = False
         self.overflow = False
-        #: the positions of ``words`` (ranks, where every rank gives one: 0 for a rank without a weight) that have a quantum
+        #: the positions of ``words`` that have a quantum: the ranks whose rows :meth:`Accumulator.combine` sums, so every
+        #: rank must give a word and a rank without a weight 0 (:meth:`mpidp.exact.window.ExactWindow.facts` does)
         self.ranks: tuple[int, ...] = ()
         #: whether no word holds more than one fold (each rank's integers are one rounded float32 each)
         self.single = True

@@ -224,8 +224,11 @@ def _share(
     mine = floats[mine_lo - lo : mine_hi - lo]
     if acc.thin(lo, hi, facts):  # float32 integers summed by their owner
         send32 = send.view(np.float32)[:width]
-        if weighted:  # else nobody reads this rank's part
+        if weighted:
             acc.pack32(lo, hi, facts, send32[: hi - lo])
+            send32[hi - lo :] = 0
+        else:  # nobody reads this rank's part: zeros, not stale bytes, on the wire
+            send32[...] = 0
         parts = send32.reshape(1, width)
         if size > 1:
             exchange(send32, stage.parts[:width])
@@ -273,9 +276,9 @@ def owned(
     send, recv = np.empty(size * c, dtype), np.empty((size if thin else 1) * c, dtype)
     flat = np.cumsum((0, *acc.sizes)).tolist()  # where each slot starts in the flat storage (index order)
     for k in range(rounds):
-        if not thin:
-            send[...] = 0  # summed by MPI: zeros past a slice's end, and everywhere where this rank has no weight
-        if weighted:  # thin: nobody reads a rank without weight
+        if not thin or not weighted or k == rounds - 1:
+            send[...] = 0  # zeros past a slice's end (summed by MPI where not thin), and where this rank has no weight
+        if weighted:
             for j in range(size):
                 lo = bounds[j] + k * c
                 for i, a, b, at in _flat_pieces(flat, lo, min(lo + c, bounds[j + 1])):

@@ -134,6 +134,8 @@ class ShardedOptimizer:
 
     def _make_masters(self) -> dict[int, np.ndarray]:
         """float32 copies of this rank's pieces of 16-bit parameters, by piece index."""
+        if self._device:
+            cuda.wait_for_torch()  # torch's queued writes to the parameters are done before they are copied down
         return {
             k: arrays.to_host(self._flats[p.slot][p.a : p.b]).astype(np.float32)
             for k, p in enumerate(self._mine) if self._dtypes[p.slot] != np.float32

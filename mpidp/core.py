@@ -171,18 +171,19 @@ class DataParallel(Session):
             self._failed = str(e)
             raise
 
-    def reduce_exact_owned(self, agreed: Agreed, bounds: Sequence[int], out: Any, operation: str) -> bool:
+    def reduce_exact_owned(self, agreed: Agreed, bounds: Sequence[int], pieces: Any, out: Any, operation: str) -> bool:
         """The exact path's movement of only this rank's slice of the flat trainable storage into ``out`` (collective).
 
         ``bounds``: every rank's slice of the storage (slots back to back in
-        index order). False, with nothing moved, where the agreed window does
+        index order); ``pieces(lo, hi)``: the slots of a flat range (as
+        :func:`mpidp.optim.cut.pieces`). False, with nothing moved, where the agreed window does
         not allow it (:meth:`mpidp.exact.window.ExactWindow.reduce_owned`): then
         :meth:`reduce_exact` the whole. Raises CollectiveError if MPI fails.
         """
         if self._exact is None:
             raise ContractError("reduce_exact_owned needs an exact session: DataParallel.initialize(..., exact=True)")
         try:
-            return self._exact.reduce_owned(agreed, self._comm, self._chunk_bytes // 4, bounds, out, operation)
+            return self._exact.reduce_owned(agreed, self._comm, self._chunk_bytes // 4, bounds, pieces, out, operation)
         except CollectiveError as e:
             self._failed = str(e)
             raise

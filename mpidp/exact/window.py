@@ -10,9 +10,8 @@ arithmetic is :mod:`mpidp.exact`'s.
 
 from __future__ import annotations
 
-import bisect
 import itertools
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -23,6 +22,9 @@ from ..records import Window
 from . import sums as exact
 
 __all__ = ["ExactWindow", "reduce"]
+
+#: ``pieces(lo, hi)``: the slots of flat range ``[lo, hi)``, each as (slot, start, end within it, offset in the range)
+Pieces = Callable[[int, int], Iterable[tuple[int, int, int, int]]]
 
 
 class ExactWindow:
@@ -118,9 +120,10 @@ class ExactWindow:
             acc.clear()
         return out
 
-    def reduce_owned(self, agreed: Any, comm: Any, chunk: int, bounds: Sequence[int], out: np.ndarray, operation: str) -> bool:
+    def reduce_owned(self, agreed: Any, comm: Any, chunk: int, bounds: Sequence[int], pieces: Pieces, out: np.ndarray, operation: str) -> bool:
         """Only this rank's slice ``[bounds[rank], bounds[rank + 1])`` of the flat trainable storage (slots back to back in index
-        order), exact, into float32 ``out``; False, with nothing done, where some rank holds inf or NaN (collective).
+        order; ``pieces(lo, hi)``: the slots of a flat range, as :func:`mpidp.optim.cut.pieces`), exact, into float32 ``out``;
+        False, with nothing done, where some rank holds inf or NaN (collective).
 
         For a sharded optimizer: each rank's integers go straight to the
         slice's owner in rounds of ``chunk`` float32 values per rank, and each
@@ -134,7 +137,7 @@ class ExactWindow:
             return False
         try:
             owned(
-                acc, facts, bounds, agreed.weight > 0, agreed.global_weight, chunk, comm.rank, comm.size, out,
+                acc, facts, bounds, pieces, agreed.weight > 0, agreed.global_weight, chunk, comm.rank, comm.size, out,
                 lambda send, recv: comm.Alltoall(send, recv, f"{operation}: Alltoall (float32 integers)"),
                 lambda send, recv: comm.Reduce_scatter_block(send, recv, f"{operation}: Reduce_scatter_block (integers)"),
             )
@@ -251,8 +254,8 @@ def _share(
 
 
 def owned(
-    acc: exact.Accumulator, facts: Sequence[exact.Facts], bounds: Sequence[int], weighted: bool, global_weight: int, chunk: int,
-    rank: int, size: int, out: np.ndarray, exchange: Callable[[np.ndarray, np.ndarray], None],
+    acc: exact.Accumulator, facts: Sequence[exact.Facts], bounds: Sequence[int], pieces: Pieces, weighted: bool, global_weight: int,
+    chunk: int, rank: int, size: int, out: np.ndarray, exchange: Callable[[np.ndarray, np.ndarray], None],
     scatter: Callable[[np.ndarray, np.ndarray], None],
 ) -> None:
     """This rank's slice of the flat storage (``bounds``: every rank's, slots in index order) summed exactly into ``out``
@@ -274,14 +277,13 @@ def owned(
     c = max(1, chunk // size // (1 if thin else 2))
     rounds = max(-(-(b - a) // c) for a, b in itertools.pairwise(bounds))
     send, recv = np.empty(size * c, dtype), np.empty((size if thin else 1) * c, dtype)
-    flat = np.cumsum((0, *acc.sizes)).tolist()  # where each slot starts in the flat storage (index order)
     for k in range(rounds):
         if not thin or not weighted or k == rounds - 1:
             send[...] = 0  # zeros past a slice's end (summed by MPI where not thin), and where this rank has no weight
         if weighted:
             for j in range(size):
                 lo = bounds[j] + k * c
-                for i, a, b, at in _flat_pieces(flat, lo, min(lo + c, bounds[j + 1])):
+                for i, a, b, at in pieces(lo, min(lo + c, bounds[j + 1])):
                     s, o = acc.starts[i], send[j * c + at : j * c + at + b - a]
                     if thin:
                         acc.pack32(s + a, s + b, facts, o)
@@ -291,22 +293,12 @@ def owned(
             (exchange if thin else scatter)(send, recv)
         got = recv if size > 1 else send
         lo = bounds[rank] + k * c
-        for i, a, b, at in _flat_pieces(flat, lo, min(lo + c, bounds[rank + 1])):
+        for i, a, b, at in pieces(lo, min(lo + c, bounds[rank + 1])):
             s, o = acc.starts[i], out[k * c + at : k * c + at + b - a]
             if thin:
                 acc.combine(s + a, s + b, facts, got.reshape(size, c)[:, at : at + b - a], global_weight, o)
             else:
                 acc.unpack(s + a, s + b, facts, got[at : at + b - a], global_weight, o)
-
-
-def _flat_pieces(flat: Sequence[int], lo: int, hi: int) -> Iterator[tuple[int, int, int, int]]:
-    """The slots of flat range ``[lo, hi)`` (``flat``: slot starts, index order): (slot, start, end within it, offset in the range)."""
-    i = bisect.bisect_right(flat, lo) - 1
-    while i < len(flat) - 1 and flat[i] < hi:
-        a, b = max(lo, flat[i]), min(hi, flat[i + 1])
-        if b > a:
-            yield i, a - flat[i], b - flat[i], a - lo
-        i += 1
 
 
 def _region(acc: exact.Accumulator, targets: Sequence[Any]) -> np.ndarray | None:

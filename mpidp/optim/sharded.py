@@ -13,6 +13,7 @@ Afterwards the replicas are bitwise equal.
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from collections.abc import Callable, Mapping
@@ -320,7 +321,8 @@ class ShardedOptimizer:
         if self._exact is not None:  # the exact reduction of this rank's slice, else of the whole, then the slice
             if self._grad is None:
                 self._grad = np.empty(hi - lo, np.float32)
-            if self._dp.reduce_exact_owned(agreed, self.cut.bounds, self._grad, f"{operation}: gradients"):
+            slices = functools.partial(pieces, self.cut.begin)
+            if self._dp.reduce_exact_owned(agreed, self.cut.bounds, slices, self._grad, f"{operation}: gradients"):
                 return self._grad
             if self._whole is None:
                 self._whole = np.zeros(self.cut.begin[-1], np.float32)

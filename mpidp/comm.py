@@ -411,6 +411,17 @@ class Communicator:
         finally:
             self.operation = None
 
+    def Call(self, name: str, *args: Any) -> Any:
+        """Call the duplicate's mpi4py method ``name`` (``"Alltoallv"``, ``"Isend"``) on ``args``; ``"MPI.SUM"`` stands for ``MPI.SUM``."""
+        args = tuple(getattr(MPI, a[4:]) if isinstance(a, str) and a.startswith("MPI.") else a for a in args)
+        self._enter(name)
+        try:
+            return getattr(self.comm, name)(*args)
+        except MPI.Exception as e:
+            raise self._fail(name, e) from e
+        finally:
+            self.operation = None
+
 
 def duplicate(
     comm: MPIComm | None, arm: Callable[[Communicator], object] | None = None, announce: Callable[[Communicator], object] | None = None

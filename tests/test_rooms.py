@@ -27,6 +27,7 @@ FLOORS = {
     "checkpoint.files": 1, "checkpoint.collective": 4, "checkpoint.stop": 4.5, "checkpoint.state": 4.5,
     "checkpoint": 5, "checkpoint.__main__": 5,
     "torch.overlap": 7, "torch.model": 7, "torch.checkpoint": 7,
+    "torch.collectives": 7, "torch.distributed": 7.5, "torch.run": 7.8,
     "torch.adapter": 8,
     "torch.optim": 8.2,
     "torch": 8.5,

@@ -71,6 +71,8 @@ def op_problem(op: str, dtype: torch.dtype) -> str:
     """Why ``op`` cannot reduce ``dtype`` (empty: it can; local)."""
     if op not in _MPI_OPS:
         return f"reduce op {op.upper()} is not supported by the mpidp backend (SUM, AVG, PRODUCT, MIN, MAX, BAND, BOR, BXOR are)"
+    if op == "avg" and not (dtype.is_floating_point or dtype.is_complex):
+        return f"reduce op AVG needs a floating-point tensor, got {dtype} (as with Gloo: SUM, then divide)"
     if dtype == torch.bool:
         return "" if op in _BOOL_OPS else f"reduce op {op.upper()} is not defined for bool tensors"
     if op in ("band", "bor", "bxor") and (dtype.is_floating_point or dtype.is_complex):
@@ -120,13 +122,9 @@ def mpi_op(op: str, dtype: torch.dtype) -> str:
 
 
 def finish(op: str, values: torch.Tensor, size: int) -> None:
-    """Divide a sum by ``size`` for AVG: floats exactly as divided, integers truncated toward zero (local)."""
-    if op != "avg":
-        return
-    if values.dtype.is_floating_point or values.dtype.is_complex:
+    """Divide a sum by ``size`` for AVG (floating-point values: :func:`op_problem` refuses the others; local)."""
+    if op == "avg":
         values.div_(size)
-    else:
-        values.copy_(torch.div(values, size, rounding_mode="trunc"))
 
 
 def reduce_in_place(comm: Communicator, op: str, t: torch.Tensor) -> None:
@@ -282,6 +280,8 @@ def scatter_bytes(buf: np.ndarray, tensors: Sequence[torch.Tensor]) -> None:
     at = 0
     for t in tensors:
         n = t.numel() * t.element_size()
+        if n == 0:
+            continue
         part = torch.from_numpy(buf[at : at + n]).view(t.dtype).view(t.shape)
         with torch.no_grad():
             t.copy_(part)

@@ -102,8 +102,12 @@ class ProcessGroupMPIDP(_ProcessGroup):
     def abort(self) -> None:
         self.shutdown()
 
+    #: operations (collective and point-to-point) of every mpidp group of this process so far (``--report``)
+    carried = 0
+
     def _agree(self, record: Record) -> np.ndarray:
         self.sequence += 1
+        ProcessGroupMPIDP.carried += 1
         return agree(self.comm, record, self.sequence)
 
     # ------------------------------------------------------------------ reductions
@@ -334,12 +338,14 @@ class ProcessGroupMPIDP(_ProcessGroup):
     # ------------------------------------------------------------------ point to point
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> dist.Work:
+        ProcessGroupMPIDP.carried += 1
         (t,) = tensors
         staged = Staged(t)
         request = self.comm.Call("Isend", byte_view(staged.host), dst, tag)
         return Pending(self.comm, request, f"torch.distributed: send to rank {dst}", lambda: None, tensors)
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> dist.Work:
+        ProcessGroupMPIDP.carried += 1
         (t,) = tensors
         staged = Staged(t, read=False)
         request = self.comm.Call("Irecv", byte_view(staged.host), src, tag)

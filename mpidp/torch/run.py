@@ -19,29 +19,30 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from .. import comm as _mpi
 from .. import guard
-from .distributed import BACKEND, torchrun_environment
+from .distributed import BACKEND, ProcessGroupMPIDP, torchrun_environment
 
 __all__ = ["main"]
 
-USAGE = "usage: mpiexec -n N python -m mpidp.torch.run [--no-init] (-m module | script.py) [args ...]"
+USAGE = "usage: mpiexec -n N python -m mpidp.torch.run [--no-init] [--report] (-m module | script.py) [args ...]"
 
 
-def _parse(argv: list[str]) -> tuple[bool, str | None, str, list[str]]:
-    """(initialize the group, module or None, module or script path, the script's arguments); SystemExit(2) on bad use."""
-    init = True
-    if argv[:1] == ["--no-init"]:
-        init, argv = False, argv[1:]
+def _parse(argv: list[str]) -> tuple[set[str], str | None, str, list[str]]:
+    """(the launcher's flags, module or None, module or script path, the script's arguments); SystemExit(2) on bad use."""
+    flags = set()
+    while argv[:1] in (["--no-init"], ["--report"]):
+        flags.add(argv.pop(0))
     if argv[:1] in (["-h"], ["--help"]):
         print(USAGE)
         raise SystemExit(0)
     if argv[:1] == ["-m"] and len(argv) >= 2:
-        return init, argv[1], argv[1], argv[2:]
+        return flags, argv[1], argv[1], argv[2:]
     if argv and not argv[0].startswith("-"):
-        return init, None, argv[0], argv[1:]
+        return flags, None, argv[0], argv[1:]
     sys.stderr.write(f"{USAGE}\n")
     raise SystemExit(2)
 
@@ -63,27 +64,38 @@ def _keep_group(original: Callable[..., Any]) -> Callable[..., Any]:
 
 def main(argv: list[str] | None = None) -> None:
     """Run the script or module of ``argv`` (default ``sys.argv[1:]``) as torchrun would, over the ``"mpidp"`` backend (collective)."""
-    init, module, target, rest = _parse(list(sys.argv[1:] if argv is None else argv))
-    guard.install_abort_hook(_mpi.world().rank)
+    flags, module, target, rest = _parse(list(sys.argv[1:] if argv is None else argv))
+    rank = _mpi.world().rank
+    guard.install_abort_hook(rank)
     os.environ.update(torchrun_environment())
-    if init:
+    if not torch.cuda.is_available():  # as `accelerate launch` does where there is no GPU: Accelerate's multi-CPU mode
+        os.environ.setdefault("ACCELERATE_USE_CPU", "true")
+    if "--no-init" not in flags:
         dist.init_process_group(BACKEND)
         dist.init_process_group = _keep_group(dist.init_process_group)
     sys.argv = [target, *rest]
     try:
-        if module is not None:
-            runpy.run_module(module, run_name="__main__", alter_sys=True)
-        else:
-            sys.path.insert(0, os.path.dirname(os.path.abspath(target)))
-            runpy.run_path(target, run_name="__main__")
+        _run(module, target)
     except SystemExit as e:
         if e.code not in (None, 0):
-            sys.stderr.write(f"mpidp.torch.run: rank {_mpi.world().rank} exited with {e.code!r}; aborting the MPI job\n")
+            sys.stderr.write(f"mpidp.torch.run: rank {rank} exited with {e.code!r}; aborting the MPI job\n")
             sys.stderr.flush()
             _mpi.abort(e.code if isinstance(e.code, int) else 1)
         raise
+    finally:
+        if "--report" in flags:
+            print(f"mpidp.torch.run: rank {rank}: {ProcessGroupMPIDP.carried} operations over {BACKEND!r}", flush=True)
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def _run(module: str | None, target: str) -> None:
+    """Run ``module`` (or the script at ``target``) as ``__main__``."""
+    if module is not None:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    else:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(target)))
+        runpy.run_path(target, run_name="__main__")
 
 
 if __name__ == "__main__":

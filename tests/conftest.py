@@ -1,8 +1,15 @@
-"""Shared test set-up: a per-test watchdog and helpers for collective assertions.
+"""Shared test set-up: the passes of scripts/test, a per-test watchdog and helpers for collective assertions.
 
 Every test runs under a faulthandler watchdog: a test that deadlocks dumps
 every thread's stack (to a duplicate of stderr taken before pytest's capture)
 and exits the process, so under ``mpiexec`` the job ends instead of hanging.
+Its limit is ``MPIDP_TEST_TIMEOUT`` (300 s), or a test's ``time_limit`` mark.
+
+``--pass NAME`` keeps the tests that pass of scripts/test is for (``PASSES``;
+docs/development.md): a test that takes ``comm`` (or ``either``) is marked
+``collective`` here; ``transport`` (the bytes MPI moves, or how), ``hosts``
+(simulated hosts only) and ``gpu`` (CuPy or its CPU stand-in) are marked by
+the test files.
 """
 
 from __future__ import annotations
@@ -10,8 +17,11 @@ from __future__ import annotations
 import contextlib
 import faulthandler
 import importlib.util
+import json
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -25,9 +35,31 @@ from replicas import model
 
 import mpidp
 
-#: seconds one test may run before its stacks are dumped and the process exits
-TEST_TIMEOUT = float(os.environ.get("MPIDP_TEST_TIMEOUT", "120"))
+#: seconds one test may run before its stacks are dumped and the process exits (a hang, not a slow machine:
+#: no test takes a tenth of it on a quiet 2-core machine; a test that starts longer jobs sets ``time_limit``)
+TEST_TIMEOUT = float(os.environ.get("MPIDP_TEST_TIMEOUT", "300"))
 _stderr = None
+
+#: fixtures that make a test collective: it runs on every rank of the world and means more than one rank there
+COLLECTIVE_FIXTURES = {"comm", "either"}
+
+#: scripts/test's passes after the serial one (which runs every test): what each keeps, by the tests' marks
+PASSES: dict[str, Callable[[set[str]], bool]] = {
+    # mpiexec -n 4: what a world of several ranks changes; a test that does not take the world runs serially only
+    "ranks": lambda marks: "collective" in marks,
+    # MPIR_CVAR_NOLOCAL=1 (no shared memory between ranks): what depends on how MPI moves the bytes
+    "transport": lambda marks: {"collective", "transport"} <= marks,
+    # tests/fakegpu, three schedules: what runs on device arrays
+    "gpu": lambda marks: "gpu" in marks,
+    # 2 simulated hosts over TCP (scripts/multihost.py): the transport's tests and what only hosts show
+    "hosts": lambda marks: "collective" in marks and bool({"transport", "hosts"} & marks),
+}
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--pass", dest="mpidp_pass", choices=sorted(PASSES), help="keep only the tests of this pass of scripts/test")
+    parser.addoption("--list-passes", dest="mpidp_list_passes", metavar="DIR",
+                     help="write DIR/PASS for every pass: the test files that hold its tests (before -k or -m narrow them)")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -35,11 +67,42 @@ def pytest_configure(config: pytest.Config) -> None:
     _stderr = os.fdopen(os.dup(2), "w")
     if MPI.COMM_WORLD.Get_size() > 1 and MPI.COMM_WORLD.Get_rank() > 0:
         config.option.verbose = -2  # one report is enough; failures still print
+    for line in (
+        "collective: takes the world (comm): runs on every rank; the mpiexec -n 4 pass (set by conftest)",
+        "transport: its results depend on how MPI moves bytes: the off-shared-memory and two-host passes",
+        "hosts: shows what only several hosts show: the two-host pass",
+        "gpu: runs on device arrays (CuPy or tests/fakegpu): the fake-GPU passes",
+        "time_limit(seconds): this test's watchdog limit, for a test that starts long jobs of its own",
+    ):
+        config.addinivalue_line("markers", line)
+
+
+@pytest.hookimpl(tryfirst=True)  # before -k and -m deselect: the lists hold every test of a pass
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if COLLECTIVE_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker("collective")
+    folder = config.getoption("mpidp_list_passes")
+    if folder is not None:  # scripts/test's later passes collect only these files (a test module imports torch, parses docs...)
+        for name, keep in PASSES.items():
+            files = sorted({item.nodeid.split("::")[0] for item in items if keep({m.name for m in item.iter_markers()})})
+            Path(folder, name).write_text("".join(f"{f}\n" for f in files))
+    name = config.getoption("mpidp_pass")
+    if name is None:
+        return
+    keep = PASSES[name]
+    selected = [item for item in items if keep({m.name for m in item.iter_markers()})]
+    deselected = [item for item in items if item not in selected]
+    if deselected:
+        config.hook.pytest_deselected(items=deselected)
+        items[:] = selected
 
 
 @pytest.fixture(autouse=True)
-def _watchdog() -> Any:
-    faulthandler.dump_traceback_later(TEST_TIMEOUT, exit=True, file=_stderr)
+def _watchdog(request: pytest.FixtureRequest) -> Any:
+    mark = request.node.get_closest_marker("time_limit")
+    limit = max(TEST_TIMEOUT, float(mark.args[0])) if mark else TEST_TIMEOUT
+    faulthandler.dump_traceback_later(limit, exit=True, file=_stderr)
     yield
     faulthandler.cancel_dump_traceback_later()
 
@@ -138,3 +201,28 @@ def load_file(name: str, path: Path) -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def sweep(module: str, ranks: int, plan: list[tuple[int, list[str]]], folder: Path, timeout: float, **env: str) -> list[dict[str, Any]]:
+    """Run ``module.main`` once per ``(n, argv)`` of ``plan``, on the first n ranks of one ``mpiexec -n ranks`` job.
+
+    Returns, per run, ``{"ranks", "argv", "returned": [each rank's value], "printed": [each rank's output]}``
+    (tests/examples/sweep.py). One job for many runs: on a 2-core machine starting a job's processes (torch's
+    import) costs more than a short run. ``timeout`` bounds the whole job; the job is killed after it.
+    """
+    plan_path, out_path = folder / "plan.json", folder / "runs.json"
+    plan_path.write_text(json.dumps(plan))
+    mpiexec = str(Path(sys.executable).with_name("mpiexec"))
+    argv = [mpiexec, "-n", str(ranks), sys.executable, "-m", "mpi4py", str(Path(__file__).with_name("examples") / "sweep.py"),
+            module, str(plan_path), str(out_path)]
+    try:
+        p = subprocess.run(argv, check=False, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout,
+                           env=clean_env(MPIDP_TIMEOUT=str(timeout), **env))
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"{module}: {len(plan)} runs at up to {ranks} ranks did not finish in {timeout:g} s:\n{e.output}")
+    assert p.returncode == 0, p.stdout
+    runs: list[dict[str, Any]] = json.loads(out_path.read_text())
+    assert [(r["ranks"], r["argv"]) for r in runs] == [(n, list(a)) for n, a in plan], p.stdout
+    for r in runs:
+        assert len(r["returned"]) == r["ranks"] and len(set(r["returned"])) == 1, r  # every rank of a run, the same
+    return runs

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import clean_env
+from conftest import clean_env, sweep
 from mpi4py import MPI
 
 from mpidp.examples import logreg
@@ -32,27 +32,50 @@ def test_argparse_output_is_printed_once_per_job(argv: list[str], status: int, p
     assert "step" not in p.stdout.replace("--steps", "").replace("STEPS", ""), p.stdout  # nobody trained
 
 
-def _reproducible(ranks: int, *argv: str) -> str:
-    """Run mpidp.examples.reproducible on ``ranks`` ranks; the hex of its last line, ``sha256 <hex>``."""
-    mpiexec = str(Path(sys.executable).with_name("mpiexec"))
-    p = subprocess.run(
-        [mpiexec, "-n", str(ranks), sys.executable, "-m", "mpi4py", "-m", "mpidp.examples.reproducible", *argv],
-        check=False, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300, env=clean_env(),
-    )
+def _cli_hash(p: subprocess.CompletedProcess[str]) -> str:
+    """The hex of a job's last line, ``sha256 <hex>``, printed once (by rank 0)."""
     assert p.returncode == 0, p.stdout
     last = p.stdout.strip().splitlines()[-1].split()
-    assert last[0] == "sha256" and len(last[1]) == 64, p.stdout
+    assert last[0] == "sha256" and len(last[1]) == 64 and p.stdout.count("sha256") == 1, p.stdout
     return last[1]
 
 
+@pytest.fixture(scope="module")
+def reproducible(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[str], Path]:
+    """The hashes of the runs below, in one 4-rank job (tests/examples/sweep.py: each run on the first n ranks), and the checkpoint.
+
+    Set up before the per-test watchdog (a module fixture); the job has its own time limit.
+    """
+    folder = tmp_path_factory.mktemp("reproducible")
+    ckpt = str(folder / "ckpt")
+    plan = [(n, ["--steps", "2"]) for n in (1, 2, 3, 4)] + [
+        (4, ["--steps", "1", "--save", ckpt]),  # each rank writes its share (mpidp.checkpoint)
+        (3, ["--steps", "2", "--resume", ckpt]),
+        (1, ["--steps", "3"]),
+        # issue 33 item 6: the same with overlap, buckets summed as integers during the last backward
+        (3, ["--steps", "2", "--overlap", "thread"]),
+        (2, ["--steps", "2", "--overlap", "hooks"]),
+    ]
+    runs = sweep("mpidp.examples.reproducible", 4, plan, folder, timeout=420)
+    for r in runs:  # rank 0 prints, once: a summary, then the hash it returned
+        printed = "".join(r["printed"])
+        assert printed.count("sha256") == 1 and r["printed"][0].strip().splitlines()[-1] == f"sha256 {r['returned'][0]}", r
+    return [r["returned"][0] for r in runs], Path(ckpt)
+
+
 @pytest.mark.skipif(MPI.COMM_WORLD.Get_size() > 1, reason="starts its own MPI jobs")
-def test_reproducible_prints_one_hash_at_every_world_size_and_after_a_resume(tmp_path: Path) -> None:
-    """1 to 4 ranks, the same bits; stopped at 4 ranks and resumed at 3, the same bits; another K, others."""
-    hashes = {n: _reproducible(n, "--steps", "2") for n in (1, 2, 3, 4)}
-    assert len(set(hashes.values())) == 1, hashes
-    _reproducible(4, "--steps", "1", "--save", str(tmp_path / "ckpt"))  # each rank writes its share (mpidp.checkpoint)
-    assert _reproducible(3, "--steps", "2", "--resume", str(tmp_path / "ckpt")) == hashes[1]
-    assert _reproducible(1, "--steps", "3") != hashes[1]
-    # issue 33 item 6: the same with overlap, buckets summed as integers during the last backward
-    assert _reproducible(3, "--steps", "2", "--overlap", "thread") == hashes[1]
-    assert _reproducible(2, "--steps", "2", "--overlap", "hooks") == hashes[1]
+def test_reproducible_prints_one_hash_at_every_world_size_and_after_a_resume(reproducible: tuple[list[str], Path]) -> None:
+    """1 to 4 ranks, the same bits; stopped at 4 ranks and resumed at 3, and by the command at 2, the same bits; another K, others."""
+    hashes, ckpt = reproducible
+    assert len(set(hashes[:4])) == 1, hashes
+    assert hashes[5] == hashes[0] and hashes[6] != hashes[0]
+    assert hashes[7] == hashes[8] == hashes[0]
+    mpiexec = str(Path(sys.executable).with_name("mpiexec"))
+    p = subprocess.run(  # the command itself, at another world size: resumed from the 4 ranks' checkpoint
+        [mpiexec, "-n", "2", sys.executable, "-m", "mpi4py", "-m", "mpidp.examples.reproducible", "--steps", "2", "--resume", str(ckpt)],
+        check=False, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=180, env=clean_env(),
+    )
+    assert p.returncode == 0, p.stdout
+    last = p.stdout.strip().splitlines()[-1].split()
+    assert last[0] == "sha256" and p.stdout.count("sha256") == 1, p.stdout
+    assert last[1] == hashes[0], p.stdout

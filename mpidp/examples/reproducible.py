@@ -52,7 +52,8 @@ def micro_batch(lang: Language, seed: int, step: int, i: int, context: int) -> t
     return batch(rng, lang, 1 + int(rng.integers(3)), context)
 
 
-def main(argv: list[str] | None = None) -> str:
+def main(argv: list[str] | None = None, comm: MPI.Comm | None = None) -> str:
+    """Train, save or resume as the command line says, on ``comm`` (the world by default); the final parameters' SHA-256 hex."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=5, help="optimizer steps in all (a resumed run included)")
     parser.add_argument("--lr", type=float, default=3e-3)
@@ -63,7 +64,7 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--plain", action="store_true", help="the float32 reduction instead (its bits change with N)")
     parser.add_argument("--overlap", choices=("hooks", "thread"), help="sum the buckets during each window's last backward")
     args = parse_args(parser, argv)
-    comm = MPI.COMM_WORLD
+    comm = MPI.COMM_WORLD if comm is None else comm
     torch.set_num_threads(1)  # one thread: the same kernels on every rank, at every world size
     torch.manual_seed(args.seed)
     lang = Language()

@@ -49,8 +49,9 @@ SUBNET = "10.231.0"
 #: exit code of a job the watchdog ended (as timeout(1))
 TIMED_OUT = 124
 SKIPPED = 77
-#: the default multi-host test selection: the tests directory (tests that cannot run under mpiexec skip themselves)
-DEFAULT_TESTS = ["tests"]
+#: the default multi-host test selection: the hosts pass of tests/ (tests/conftest.py: the collective tests
+#: marked transport or hosts, those whose behaviour depends on what separate hosts change)
+DEFAULT_TESTS = ["--pass", "hosts", "tests"]
 
 
 def log(text: str) -> None:
@@ -331,10 +332,10 @@ def skip(reason: str, strict: bool) -> int:
 
 
 def pytest_command(args: list[str]) -> list[str]:
-    """``python -m mpi4py -m pytest --with-mpi`` over the collective tests, with the hosts line plugin.
+    """``python -m mpi4py -m pytest --with-mpi`` over the hosts pass's tests, with the hosts line plugin.
 
-    The tests directory is added unless an argument names an existing path, so
-    ``-k``, ``-x`` and friends narrow the default selection and a file replaces it.
+    The hosts pass of the tests directory is added unless an argument names an existing path, so
+    ``-k``, ``-x`` and friends narrow the default selection and a file (all of its tests) replaces it.
     """
     paths = [] if any(Path(a.split("::")[0]).exists() for a in args if not a.startswith("-")) else DEFAULT_TESTS
     return [sys.executable, "-m", "mpi4py", "-m", "pytest", "-q", "--with-mpi", "-p", "hostsline", *paths, *args]

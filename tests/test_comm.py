@@ -12,6 +12,9 @@ from mpi4py import MPI
 from mpidp import CollectiveError
 from mpidp.comm import Communicator, duplicate, loads, world
 
+#: its collective tests run again off shared memory and across simulated hosts (scripts/test: transport, hosts)
+pytestmark = pytest.mark.transport
+
 
 def test_loads_admits_plain_data() -> None:
     value = ((("w", (3, 4), "float32", True, 0),), 0, 4096, None, {"a": [1.5, b"x"]})

@@ -19,6 +19,9 @@ from replicas import grads_for, model
 import mpidp
 from mpidp import ContractError
 
+#: its collective tests run again off shared memory and across simulated hosts (scripts/test: transport, hosts)
+pytestmark = pytest.mark.transport
+
 
 def test_verify_replicas(comm: MPI.Comm, dp: Any) -> None:
     dp.verify_replicas()

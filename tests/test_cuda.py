@@ -112,7 +112,12 @@ try:  # a GPU is needed for anything below
 except Exception:  # noqa: BLE001 - no CuPy, no driver or no device: skip
     cupy = None
 
-needs_gpu = pytest.mark.skipif(cupy is None, reason="needs CuPy and a GPU")
+
+def needs_gpu(test: Any) -> Any:
+    """A test on device arrays (``gpu``: the fake-GPU passes), skipped without CuPy and a GPU (or the CPU stand-in)."""
+    return pytest.mark.gpu(pytest.mark.skipif(cupy is None, reason="needs CuPy and a GPU")(test))
+
+
 #: the CPU stand-in for CuPy (tests/fakegpu) is loaded instead of CuPy
 _FAKE = bool(getattr(cupy, "_mpidp_fake", False))
 
@@ -338,6 +343,7 @@ except Exception:  # noqa: BLE001 - no torch, or no CUDA: skip
     torch_gpu = None
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(torch_gpu is None or cupy is None, reason="needs CuPy, a CUDA build of PyTorch and a GPU")
 def test_torch_cuda_module_is_reduced_bitwise_as_on_the_host(comm: MPI.Comm, aware: str) -> None:
     """PyTorch CUDA tensors take the core's device path; the same gradients reduced on the CPU give the same bytes."""

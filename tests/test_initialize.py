@@ -17,6 +17,9 @@ from replicas import model
 import mpidp
 from mpidp import ContractError
 
+#: its collective tests run again off shared memory and across simulated hosts (scripts/test: transport, hosts)
+pytestmark = pytest.mark.transport
+
 
 def test_initialize_broadcasts_from_nonzero_root_in_place(comm: MPI.Comm) -> None:
     root = comm.size - 1

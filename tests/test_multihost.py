@@ -28,6 +28,7 @@ import time
 import warnings
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import numpy as np
 import pytest
@@ -41,7 +42,10 @@ ROOT = Path(__file__).resolve().parent.parent
 HOSTS = [h for h in os.environ.get("MPDH_HOSTS", "").split(",") if h]
 PPN = int(os.environ.get("MPDH_PPN", "0") or 0)
 
-across_hosts = pytest.mark.skipif(not HOSTS, reason="runs across simulated hosts only (scripts/test-multihost)")
+
+def across_hosts(test: Any) -> Any:
+    """A test of the hosts pass (``hosts``) that runs across simulated hosts only."""
+    return pytest.mark.hosts(pytest.mark.skipif(not HOSTS, reason="runs across simulated hosts only (scripts/test-multihost)")(test))
 
 
 def _driver() -> ModuleType:
@@ -310,9 +314,9 @@ def test_skips_with_the_reason_where_hosts_cannot_be_made() -> None:
 
 def test_pytest_command_keeps_the_default_selection_unless_a_path_is_given() -> None:
     module = _driver()
-    assert module.pytest_command(["-k", "reduce", "-x"])[-5:] == ["hostsline", "tests", "-k", "reduce", "-x"]
+    assert module.pytest_command(["-k", "reduce", "-x"])[-7:] == ["hostsline", "--pass", "hosts", "tests", "-k", "reduce", "-x"]
     chosen = module.pytest_command(["tests/test_multihost.py::test_ranks_run_on_different_hosts", "-q"])
-    assert "tests" not in chosen and chosen[-2] == "tests/test_multihost.py::test_ranks_run_on_different_hosts"
+    assert "tests" not in chosen and "--pass" not in chosen and chosen[-2] == "tests/test_multihost.py::test_ranks_run_on_different_hosts"
 
 
 def test_netmod_environment_names_tcp_on_eth0() -> None:

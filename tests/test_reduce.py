@@ -20,6 +20,9 @@ from replicas import BF16, ERROR, TRAINABLE, ZERO, grads_for, model
 import mpidp
 from mpidp import ContractError
 
+#: its collective tests run again off shared memory and across simulated hosts (scripts/test: transport, hosts)
+pytestmark = pytest.mark.transport
+
 
 def gathered_expectation(comm: MPI.Comm, grads: dict[str, Any], weight: int) -> tuple[dict[str, np.ndarray], int]:
     """The formula, from every rank's data: sum of weighted ranks' grads / sum of weights, in float64."""

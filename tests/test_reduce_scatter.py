@@ -22,6 +22,9 @@ from mpidp import ContractError
 from mpidp import comm as mpidp_comm
 from mpidp.packing import SCATTER_MIN, SCATTER_MIN_FP32, Moves, Scatter, plan, reduce_calls, reduce_scatter_for, slot
 
+#: its collective tests run again off shared memory and across simulated hosts (scripts/test: transport, hosts)
+pytestmark = pytest.mark.transport
+
 #: name -> (size, dtype): odd sizes, sizes below any world size, calls long enough for ``auto``
 SHAPES = {
     "one": (1, np.float16),

@@ -12,6 +12,9 @@ from mpi4py import MPI
 import mpidp
 from mpidp import MissingGradientPolicy
 
+#: its collective tests run again off shared memory and across simulated hosts (scripts/test: transport, hosts)
+pytestmark = pytest.mark.transport
+
 WINDOWS = int(os.environ.get("MPIDP_SOAK_WINDOWS", "1000"))
 
 

@@ -26,6 +26,9 @@ from torch import nn
 import mpidp.torch
 from mpidp import ContractError, MissingGradientPolicy
 
+#: its collective tests run again off shared memory and across simulated hosts (scripts/test: transport, hosts)
+pytestmark = pytest.mark.transport
+
 ZERO, ERROR = MissingGradientPolicy.ZERO, MissingGradientPolicy.ERROR
 V, D, LATE = 17, 8, 6  # vocabulary, width, first position that uses TinyLM.late
 IGNORE = -100

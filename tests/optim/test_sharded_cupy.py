@@ -29,7 +29,7 @@ try:  # a GPU (or the stand-in) is needed for anything here
 except Exception:  # noqa: BLE001 - no CuPy, no driver or no device: skip
     cupy = None
 
-pytestmark = pytest.mark.skipif(cupy is None, reason="needs CuPy and a GPU")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(cupy is None, reason="needs CuPy and a GPU")]  # gpu: the fake-GPU passes
 
 SHAPES = {"a": (1,), "b": (7,), "c": (33, 3), "d": (20003,), "h": (65,)}  # "h": float16, with float32 masters
 GROUPS = [{"params": ["a", "c", "d"]}, {"params": ["b"], "weight_decay": 0.0, "lr": 3e-2}, {"params": ["h"]}]

@@ -33,6 +33,8 @@ from mpidp.overlap.buckets import layout
 ZERO, ERROR = MissingGradientPolicy.ZERO, MissingGradientPolicy.ERROR
 #: buckets of 64 float32 values: TinyLM's 12 slots fill about 10 buckets
 SMALL = {"bucket_bytes": 256}
+#: buckets in flight while ranks diverge, close or fail: run again off shared memory and across hosts (scripts/test)
+TRANSPORT = pytest.mark.transport
 
 
 class Mixed(nn.Module):
@@ -94,6 +96,7 @@ def test_layout_keeps_the_last_buckets_small() -> None:
     assert slots[-1] == [5, 6] and offset[6] == sum(sizes) - 1
 
 
+@TRANSPORT
 @pytest.mark.parametrize("early", [False, True])
 @pytest.mark.parametrize("zero", ["dp", "none"])
 @pytest.mark.parametrize("accumulate", [1, 3])
@@ -123,6 +126,7 @@ def test_overlap_equals_the_plain_path_bitwise(comm: MPI.Comm, accumulate: int, 
         assert all(comm.allgather(all(torch.equal(p, q) for p, q in zip(plain.parameters(), over.parameters()))))
 
 
+@TRANSPORT
 @pytest.mark.parametrize("early", [False, True])
 def test_overlap_sums_bfloat16_gradients_in_float32_like_the_plain_path(comm: MPI.Comm, mode: str, early: bool) -> None:
     (plain, dp), (over, do) = pair(Mixed, comm, mode, **SMALL)
@@ -359,6 +363,7 @@ class Breaks(TinyLM):
         return self.head(self.norm(h))
 
 
+@TRANSPORT
 def test_a_backward_that_raises_midway_on_one_rank_ends_in_an_error_everywhere_not_a_hang(comm: MPI.Comm, mode: str) -> None:
     model = Breaks(100, extras=False, tie=False)
     model.mix.requires_grad_(False)  # not in this forward
@@ -376,6 +381,7 @@ def test_a_backward_that_raises_midway_on_one_rank_ends_in_an_error_everywhere_n
         do.reduce(local_weight=window(comm, model))  # the next window goes ahead
 
 
+@TRANSPORT
 def test_close_after_a_partial_window_on_some_ranks_does_not_hang(comm: MPI.Comm, mode: str) -> None:
     model = TinyLM(100, extras=False)
     do = mpidp.torch.DataParallel(model, comm, overlap=mode, **SMALL)
@@ -425,6 +431,7 @@ def test_thread_mode_runs_a_communication_thread_that_close_joins(comm: MPI.Comm
     assert communication_threads() == []
 
 
+@TRANSPORT
 @pytest.mark.parametrize("early", [False, True])
 def test_the_last_bucket_is_summed_after_the_agreement_where_it_lies(comm: MPI.Comm, mode: str, early: bool) -> None:
     """The tail (what backward finishes last) is not summed during backward: in place in ``.grad``, once the window is agreed."""
@@ -456,6 +463,7 @@ def test_the_last_bucket_is_summed_after_the_agreement_where_it_lies(comm: MPI.C
                 assert do._overlap.params[i].grad.data_ptr() == owner.views(0)[i].ctypes.data, (step, i)  # type: ignore[union-attr]
 
 
+@TRANSPORT
 @pytest.mark.parametrize("after", [False, True])
 def test_an_exception_in_the_communication_thread_is_one_error_everywhere_then_it_recovers(
     comm: MPI.Comm, after: bool, monkeypatch: pytest.MonkeyPatch
@@ -595,6 +603,7 @@ def clean_window(comm: MPI.Comm, plain: tuple[nn.Module, Any], over: tuple[nn.Mo
     same_grads_everywhere(comm, plain[0], over[0])
 
 
+@TRANSPORT
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("backward", [False, True])
 def test_a_rank_in_verify_replicas_while_the_others_reduce_is_one_error_everywhere_then_it_goes_on(
@@ -637,6 +646,7 @@ def test_verify_replicas_between_backward_and_reduce_on_every_rank_still_equals_
         clean_window(comm, (plain, dp), (over, do))
 
 
+@TRANSPORT
 @pytest.mark.mpi(min_size=2)
 def test_a_rank_that_skips_reduce_in_a_join_loop_is_one_error_everywhere_then_it_goes_on(comm: MPI.Comm, mode: str) -> None:
     """The rank whose batches ran out forgets ``reduce(local_weight=0)``: it asks join while the others reduce."""

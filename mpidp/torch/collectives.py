@@ -107,6 +107,11 @@ def byte_view(t: torch.Tensor) -> np.ndarray:
     return t.reshape(-1).view(torch.uint8).numpy()
 
 
+def apart(send: np.ndarray, recv: np.ndarray) -> np.ndarray:
+    """``send``, or a copy of it where it lies in ``recv`` (FSDP gathers from a slice of the output; MPI refuses aliases)."""
+    return send.copy() if np.may_share_memory(send, recv) else send
+
+
 def value_view(t: torch.Tensor) -> tuple[np.ndarray, torch.Tensor]:
     """(NumPy view MPI can reduce, the tensor behind it): float32 copies of 16-bit floats, else ``t`` itself (local)."""
     if t.dtype in (torch.float16, torch.bfloat16):

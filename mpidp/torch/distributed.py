@@ -27,12 +27,14 @@ import torch.distributed as dist
 
 from .. import guard
 from ..comm import Communicator, duplicate
+from ..comm import world as mpi_world
 from .collectives import (
     Done,
     Pending,
     Record,
     Staged,
     agree,
+    apart,
     byte_counts,
     byte_view,
     finish,
@@ -171,7 +173,7 @@ class ProcessGroupMPIDP(_ProcessGroup):
     def _reduce_scatter(self, op: str, out: torch.Tensor, send: np.ndarray, counts: list[int]) -> None:
         staged = Staged(out, read=False)
         recv, values = value_view(staged.host)
-        self.comm.Call("Reduce_scatter", send, recv, counts, mpi_op(op, out.dtype))
+        self.comm.Call("Reduce_scatter", apart(send, recv), recv, counts, mpi_op(op, out.dtype))
         finish(op, values, self.comm.size)
         if values.data_ptr() != staged.host.data_ptr():
             staged.host.copy_(values.view(staged.host.shape))
@@ -226,7 +228,7 @@ class ProcessGroupMPIDP(_ProcessGroup):
         records = self._agree(record)
         counts, displs = byte_counts(records, 3, t.element_size())
         buf = np.empty(sum(counts), dtype=np.uint8)
-        self.comm.Call("Allgatherv", byte_view(Staged(t).host), [buf, (counts, displs)])
+        self.comm.Call("Allgatherv", byte_view(Staged(t).host), [buf, (counts, displs)])  # buf: a fresh buffer
         scatter_bytes(buf, outs)
         return Done(outs)
 
@@ -238,7 +240,8 @@ class ProcessGroupMPIDP(_ProcessGroup):
             record.refuse(f"the output ({output.numel()} {output.dtype}) must hold {size} times the input ({input.numel()} {input.dtype})")
         self._agree(record)
         staged = Staged(output, read=False)
-        self.comm.Call("Allgather", byte_view(Staged(input).host), byte_view(staged.host))
+        recv = byte_view(staged.host)
+        self.comm.Call("Allgather", apart(byte_view(Staged(input).host), recv), recv)
         staged.back()
         return Done([output])
 
@@ -315,7 +318,8 @@ class ProcessGroupMPIDP(_ProcessGroup):
         same_dtype(record, [output], input.dtype)
         self._agree(record)
         staged = Staged(output, read=False)
-        self._alltoallv(byte_view(Staged(input).host), byte_view(staged.host), sends, recvs, input.element_size())
+        recv = byte_view(staged.host)
+        self._alltoallv(apart(byte_view(Staged(input).host), recv), recv, sends, recvs, input.element_size())
         staged.back()
         return Done([output])
 
@@ -365,8 +369,7 @@ def _create(options: Any, backend_options: Any = None) -> ProcessGroupMPIDP:
     """Make the group ``options`` describe (torch's extended creator API; collective on the group's ranks)."""
     ranks = [int(r) for r in options.global_ranks_in_group]
     timeout = options.timeout.total_seconds() if options.timeout is not None else 0.0
-    world = _held.get("world")
-    if not ranks or world is None:  # the default group: every rank of COMM_WORLD
+    if not ranks or ranks == list(range(mpi_world().size)):  # the default group, or one of every rank: all of COMM_WORLD
         comm = duplicate(None)
         if (comm.rank, comm.size) != (options.group_rank, options.group_size):
             comm.close()
@@ -374,8 +377,12 @@ def _create(options: Any, backend_options: Any = None) -> ProcessGroupMPIDP:
                 f"the mpidp backend takes rank and world size from MPI (rank {comm.rank} of {comm.size}); "
                 f"init_process_group was given rank {options.group_rank} of {options.group_size}"
             )
-        _held["world"] = comm
+        if not ranks:
+            _held["world"] = comm
         return ProcessGroupMPIDP(comm, timeout)
+    world = _held.get("world")
+    if world is None:  # only the group's ranks are here: no collective over COMM_WORLD can run now
+        raise ValueError(f"an mpidp group of ranks {ranks} needs the default group to be mpidp's: init_process_group('mpidp')")
     everyone = world.Call("Get_group")
     members = everyone.Incl(ranks)
     try:

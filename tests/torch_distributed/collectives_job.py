@@ -14,7 +14,9 @@ last line ``checks N failures F`` for every rank together.
 from __future__ import annotations
 
 import hashlib
+import shutil
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -248,6 +250,48 @@ def ddp(mg: Any, gg: Any) -> None:
     check("DDP over mpidp: the same parameters on both ranks", every[0]["mpidp"] == every[1]["mpidp"], every)
 
 
+def sharded(mg: Any, gg: Any) -> None:
+    """FSDP2 (``fully_shard``) with ZeroRedundancyOptimizer beside it, and a torch.distributed.checkpoint round trip, over each backend."""
+    from torch.distributed.checkpoint import load, save
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    found = {}
+    for name, group in (("mpidp", mg), ("gloo", gg)):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+        mesh = DeviceMesh.from_group(group, "cpu")
+        for layer in (model[0], model[2], model):
+            fully_shard(layer, mesh=mesh)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        other = torch.nn.Linear(4, 4)
+        zero = ZeroRedundancyOptimizer(other.parameters(), optimizer_class=torch.optim.SGD, process_group=group, lr=0.1)
+        g = torch.Generator().manual_seed(RANK)
+        for _ in range(3):
+            model(torch.randn(5, 8, generator=g)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            other(torch.randn(2, 4, generator=g)).sum().backward()
+            zero.step()
+        full = [v.full_tensor() for v in model.state_dict().values()] + [p.detach().clone() for p in other.parameters()]
+        folder = [tempfile.mkdtemp(prefix="mpidp-dcp-") if RANK == 0 else None]
+        dist.broadcast_object_list(folder, group_src=0, group=group)
+        state = {"model": model.state_dict()}
+        save(state, checkpoint_id=folder[0], process_group=group)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.zero_()
+        load(state, checkpoint_id=folder[0], process_group=group)
+        back = [v.full_tensor() for v in model.state_dict().values()]
+        dist.barrier(group=group)
+        if RANK == 0:
+            shutil.rmtree(folder[0])
+        check(f"torch.distributed.checkpoint over {name}: saved and loaded", all(same_bits(a, b) for a, b in zip(full, back)))
+        found[name] = full
+    check("FSDP2 and ZeroRedundancyOptimizer over mpidp: Gloo's bits", all(same_bits(a, b) for a, b in zip(found["mpidp"], found["gloo"])))
+
+
 def errors(mg: Any) -> None:
     """Bad input on any rank: the same ContractError on every rank, and the group works on afterwards."""
     last = WORLD.Get_size() - 1
@@ -292,6 +336,7 @@ def main() -> None:
         print(f"rank {RANK}: {name}: {counted['checks'] - before} checks", flush=True) if RANK == 0 else None
     if RANK < 2:
         ddp(*pair)
+        sharded(*pair)
     quiet_barrier()  # ranks 2 and 3 wait asleep: MPI's busy wait would take the cores DDP runs on
     errors(dist.group.WORLD)
     carried = dist.group.WORLD.sequence

@@ -319,25 +319,33 @@ def quiet_barrier() -> None:
         time.sleep(0.01)
 
 
+_clock = [time.monotonic()]
+
+
+def timed(name: str, run: Callable[[], object]) -> None:
+    """Run one section; rank 0 prints its checks and the seconds since the last section ended."""
+    before = counted["checks"]
+    run()
+    now = time.monotonic()
+    if RANK == 0:
+        print(f"rank {RANK}: {name}: {counted['checks'] - before} checks, {now - _clock[0]:.1f} s", flush=True)
+    _clock[0] = now
+
+
 def main() -> None:
     dist.init_process_group("mpidp", timeout=timedelta(seconds=90))
     check("rank and world size from MPI", (dist.get_rank(), dist.get_world_size()) == (RANK, WORLD.Get_size()))
     check("the default group is mpidp's", dist.get_backend() == "mpidp" and type(dist.group.WORLD).__name__ == "ProcessGroupMPIDP")
-    sections: list[tuple[str, Callable[[], None]]] = []
-    for n in range(1, WORLD.Get_size() + 1):
-        mg, gg = dist.new_group(list(range(n))), dist.new_group(list(range(n)), backend="gloo")
+    groups = {n: (dist.new_group(list(range(n))), dist.new_group(list(range(n)), backend="gloo")) for n in range(1, WORLD.Get_size() + 1)}
+    timed("set-up", lambda: None)
+    for n, (mg, gg) in groups.items():
         if RANK < n:
-            sections += [(f"all_reduce at {n}", lambda n=n, mg=mg, gg=gg: allreduces(n, mg, gg)), (f"moves at {n}", lambda n=n, mg=mg, gg=gg: moves(n, mg, gg))]
-        if n == 2:
-            pair = (mg, gg)
-    for name, run in sections:
-        before = counted["checks"]
-        run()
-        print(f"rank {RANK}: {name}: {counted['checks'] - before} checks", flush=True) if RANK == 0 else None
+            timed(f"all_reduce at {n}", lambda n=n, mg=mg, gg=gg: allreduces(n, mg, gg))
+            timed(f"moves at {n}", lambda n=n, mg=mg, gg=gg: moves(n, mg, gg))
+        quiet_barrier()  # the ranks outside wait asleep: MPI's busy wait would take the cores the others run on
     if RANK < 2:
-        ddp(*pair)
-        sharded(*pair)
-    quiet_barrier()  # ranks 2 and 3 wait asleep: MPI's busy wait would take the cores DDP runs on
+        timed("DDP, FSDP2, ZeRO, DCP at 2", lambda: (ddp(*groups[2]), sharded(*groups[2])))
+    quiet_barrier()
     errors(dist.group.WORLD)
     carried = dist.group.WORLD.sequence
     check("the default group carried the traffic", carried > 0, carried)

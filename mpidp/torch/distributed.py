@@ -355,6 +355,9 @@ class ProcessGroupMPIDP(_ProcessGroup):
         request = self.comm.Call("Irecv", byte_view(staged.host), src, tag)
         return Pending(self.comm, request, f"torch.distributed: recv from rank {src}", staged.back, tensors)
 
+    def recv_anysource(self, tensors: list[torch.Tensor], tag: int) -> dist.Work:
+        raise NotImplementedError("the mpidp backend receives from a named rank only: recv(tensor, src=...)")
+
     def _start_coalescing(self, device: torch.device) -> None:
         """Nothing to gather: each operation inside the coalescing manager has run by the time it returns."""
 

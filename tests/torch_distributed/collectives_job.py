@@ -300,6 +300,7 @@ def errors(mg: Any) -> None:
         "one rank calls another collective": lambda: dist.broadcast(torch.ones(4), 0, group=mg) if RANK == 1 % (last + 1) else dist.all_reduce(torch.ones(4), group=mg),
         "one rank passes another dtype": lambda: dist.all_reduce(torch.ones(4, dtype=torch.float64 if RANK == 0 else torch.float32), group=mg),
         "one rank's splits do not fit": lambda: dist.all_to_all_single(torch.empty(last + 1), torch.ones(last + 1), input_split_sizes=[last + 2] + [0] * last if RANK == last else None, group=mg),
+        "one rank gathers a longer tensor": lambda: dist.all_gather([torch.empty(4) for _ in range(last + 1)], torch.ones(5 if RANK == last else 4), group=mg),
         "AVG of integers": lambda: dist.all_reduce(torch.ones(4, dtype=torch.int64), op=dist.ReduceOp.AVG, group=mg),
     }
     for name, fn in cases.items():

@@ -66,24 +66,18 @@ def test_a_rank_that_skips_a_collective_is_the_watchdogs_report() -> None:
 
 
 @SERIAL
-def test_the_launcher_runs_a_torchrun_script_over_mpidp() -> None:
-    rc, out, _ = job(2, "-m", "mpidp.torch.run", "-m", "torchrun_script", "--flag", "x")
-    assert rc == 0, out
-    for rank in (0, 1):
-        line = next(x for x in out.splitlines() if x.startswith(f"rank {rank} argv"))
-        assert "argv ['--flag', 'x'] backend mpidp group ProcessGroupMPIDP" in line, out
-        assert int(line.split()[-1]) > 0, out  # the DDP broadcast and all-reduce went through mpidp
-    assert out.count("init_process_group('gloo') kept the launcher's 'mpidp' group") == 1, out
-
-
-@SERIAL
 def test_an_exception_on_one_rank_under_the_launcher_aborts_the_job() -> None:
     rc, out, seconds = job(2, "-m", "mpidp.torch.run", "torchrun_script.py", "--fail", timeout=90)
     assert rc != 0 and "failing on purpose on rank 1" in out and "aborting the MPI job" in out, out
     assert "argv" not in out and seconds < 60, (seconds, out)
 
 
-@SERIAL
-def test_the_launcher_without_a_script_prints_its_usage() -> None:
-    p = subprocess.run([sys.executable, "-m", "mpidp.torch.run"], check=False, capture_output=True, text=True, timeout=60, env=clean_env())
-    assert p.returncode == 2 and "usage: mpiexec -n N python -m mpidp.torch.run" in p.stderr, p.stderr
+def test_the_launcher_reads_its_flags_then_the_script_or_module(capsys: pytest.CaptureFixture[str]) -> None:
+    from mpidp.torch.run import _parse
+
+    assert _parse(["--report", "-m", "pkg.train", "-m", "x"]) == ({"--report"}, "pkg.train", "pkg.train", ["-m", "x"])
+    assert _parse(["--no-init", "train.py", "--lr", "1"]) == ({"--no-init"}, None, "train.py", ["--lr", "1"])
+    for wrong in ([], ["-m"], ["--steps", "3"]):
+        with pytest.raises(SystemExit) as e:
+            _parse(wrong)
+        assert e.value.code == 2 and "usage: mpiexec -n N python -m mpidp.torch.run" in capsys.readouterr().err

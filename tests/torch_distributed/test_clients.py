@@ -1,8 +1,8 @@
-"""Real clients of the "mpidp" backend, unmodified, under ``mpiexec -n 2 python -m mpidp.torch.run``: Accelerate's test scripts, a Trainer.
+"""Real clients of the "mpidp" backend, unmodified, under ``mpiexec -n 2 python -m mpidp.torch.run``: torchrun's, Accelerate's, a Trainer.
 
-One job runs them all (accelerate_scripts.py): Accelerate's shipped
-``test_ops`` and ``test_sync``, then a tiny Hugging Face ``Trainer`` run
-(trainer_script.py). Each test asserts that "mpidp" carried the traffic:
+One job runs them all (clients_job.py): a script written for torchrun
+(torchrun_script.py), Accelerate's shipped ``test_ops`` and ``test_sync``,
+then a tiny Hugging Face ``Trainer`` run (trainer_script.py). Each test asserts that "mpidp" carried the traffic:
 the launcher's ``--report`` counts the operations of its groups on every
 rank (Accelerate labels its multi-CPU mode "gloo", but finds the launcher's
 group made and uses it).
@@ -23,7 +23,7 @@ pytest.importorskip("transformers")
 
 @functools.cache
 def clients() -> tuple[int, str]:
-    rc, out, _ = job(2, "-m", "mpidp.torch.run", "--report", "accelerate_scripts.py", timeout=300)
+    rc, out, _ = job(2, "-m", "mpidp.torch.run", "--report", "-m", "clients_job", "--flag", "x", timeout=300)
     return rc, out
 
 
@@ -34,12 +34,22 @@ def carried(out: str) -> list[int]:
 
 
 @SERIAL
+def test_the_launcher_runs_a_torchrun_script_over_mpidp() -> None:
+    rc, out = clients()
+    assert rc == 0, out[-6000:]
+    lines = re.findall(r"rank (\d) argv \['--flag', 'x'\] backend mpidp group ProcessGroupMPIDP collectives (\d+)", out)
+    assert sorted(rank for rank, _ in lines) == ["0", "1"], out[-6000:]
+    assert min(int(n) for _, n in lines) > 0, lines  # DDP's broadcast and all-reduce went through mpidp
+    assert out.count("init_process_group('gloo') kept the launcher's 'mpidp' group") == 1, out[-6000:]
+
+
+@SERIAL
 def test_accelerates_test_ops_and_test_sync_pass_over_mpidp() -> None:
     rc, out = clients()
     assert rc == 0, out[-6000:]
     assert "DistributedType.MULTI_CPU" in out and "Num processes: 2" in out, out[-6000:]
     assert "testing sending tensors across devices" in out and "**Test Distributed `no_sync` context manager**" in out, out[-6000:]
-    assert min(carried(out)) > 50, out[-3000:]  # test_ops and test_sync: 50 operations per rank, the Trainer more
+    assert min(carried(out)) > 70, out[-3000:]  # 78 per rank: test_ops and test_sync 50, the Trainer 24, the torchrun script 4
 
 
 @SERIAL

@@ -16,17 +16,18 @@ from __future__ import annotations
 import functools
 import math
 import numbers
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
 
 from .. import arrays, casts, cuda, records
 from ..core import DataParallel, MissingGradientPolicy
+from ..cut import Cut, byte_bounds, pieces, starts
 from ..errors import CollectiveError, ContractError
 from . import groups as groupings
 from . import moves, norm, rules
-from .cut import Cut, byte_bounds, pieces, starts
+from .state import OptimizerState, Piece, Run, state_key
 
 __all__ = ["ShardedOptimizer", "StepResult"]
 
@@ -46,7 +47,7 @@ class StepResult(NamedTuple):
     found_inf: bool = False
 
 
-class ShardedOptimizer:
+class ShardedOptimizer(OptimizerState):
     """The base of the sharded optimizers; a subclass names its rule and says ``elementwise = True``.
 
     Collective: building one is an agreement of every rank of the session
@@ -68,19 +69,28 @@ class ShardedOptimizer:
     the float32 masters and the update stay on the host, as ZeRO-Offload
     keeps them: each step copies the gradients down and every updated slice
     up. ``adapter_error``: an adapter's own local error, raised on every rank
-    by the agreement.
+    by the agreement. ``sources``: another optimizer's group dicts (torch's
+    ``param_groups``), one per group, which then *are* the hyperparameters:
+    read at every step and save, written by a load (:class:`groups.Live`).
+
+    Checkpoints: the contract of :mod:`mpidp.optim.state` (each rank writes
+    and reads the slices it owns; any world size loads).
     """
 
-    kind: ClassVar[str] = ""
+    kind = ""
     elementwise: ClassVar[bool] = False
     whole: ClassVar[str | None] = None  # what a refused optimizer's update reads of a whole tensor
     rule: ClassVar[type[rules.Rule] | None] = None
 
-    def __init__(self, dp: DataParallel, groups_or_names: Any = None, *, adapter_error: str | None = None, **hyperparameters: Any) -> None:
+    def __init__(
+        self, dp: DataParallel, groups_or_names: Any = None, *, adapter_error: str | None = None,
+        sources: Sequence[MutableMapping[str, Any]] | None = None, **hyperparameters: Any,
+    ) -> None:
         facts = dp.facts()
         self._dp, self._comm, self._exact = dp, facts.comm, facts.exact
         self._chunk = max(1, facts.chunk_bytes // 4)
         self._params = facts.params
+        self._shapes = [tuple(arrays.view(p).shape) for p in self._params]
         self._flats = [arrays.view(p).reshape(-1) for p in self._params]
         self._dtypes = [a.dtype for a in self._flats]
         self.cut = Cut.of(facts.sizes, facts.comm.rank, facts.comm.size)
@@ -98,6 +108,8 @@ class ShardedOptimizer:
             assert self.rule is not None
             self.groups, error = groupings.parse(groups_or_names, heads, (), self.rule.defaults, hyperparameters)
             error = error or self._problem(facts.device)
+            for g, source in zip(self.groups, sources or ()):
+                g.hp = groupings.Live(source, g.names)
         self._agree(error, "sharded optimizer: agreement", self.hyperparameters())
         self._group_of = {s: g for g in self.groups for s in g.slots}
         self._states = {name: np.zeros(self.cut.hi - self.cut.lo, np.float32) for name in self._rule_states()}
@@ -110,7 +122,7 @@ class ShardedOptimizer:
         return groupings.refusal(type(self).__name__, self.whole)
 
     @property
-    def param_groups(self) -> list[dict[str, Any]]:
+    def param_groups(self) -> list[MutableMapping[str, Any]]:
         """The group dicts (``params``: head names; hyperparameters), live: change ``lr`` here between steps."""
         return [g.hp for g in self.groups]
 
@@ -174,60 +186,85 @@ class ShardedOptimizer:
         """Bytes this rank holds of optimizer state and float32 masters (local)."""
         return sum(a.nbytes for a in self._states.values()) + sum(m.nbytes for m in self._masters.values())
 
-    def load(self, hyperparameters: Mapping[str, Any], read: Callable[[str, str, int, int], Any]) -> None:
-        """Load this rank's slices and the step counts from a checkpoint of any world size (collective).
+    # ---------------------------------------------------- the checkpoint contract
 
-        ``hyperparameters``: what :meth:`hyperparameters` returned where it
-        was saved; its kind and its groups' parameters must equal this
-        optimizer's, and its groups' hyperparameters (a scheduled ``lr``) and
-        step counts replace this optimizer's, as ``torch.optim``'s
-        ``load_state_dict`` does. ``read(state_name, head_name, lo, hi)``
-        returns that parameter's elements ``[lo, hi)`` of the state (float32,
-        1-D), for every name of :meth:`state_names` and every piece of
-        :meth:`owned` (``"master"``: 16-bit parameters only). Raises
-        ContractError on every rank, with nothing loaded, when any rank's
-        checkpoint does not match or cannot be read.
+    def describe(self) -> dict[str, Any]:
+        """The description a checkpoint keeps: :meth:`hyperparameters` and the state names (local)."""
+        return {**self.hyperparameters(), "state": list(self.state_names())}
+
+    def pieces(self, rank: int, size: int) -> list[Piece]:
+        """This rank's owned slices of every state, under ``state/<state>/<parameter>`` (local; the session's cut)."""
+        heads = self._dp.trainable
+        out = []
+        for state, by_name in self.state_pieces().items():
+            for p in self._mine:
+                if heads[p.slot] in by_name:  # a state only some parameters have ("master": 16-bit ones)
+                    out.append(Piece(state_key(state, heads[p.slot]), self._shapes[p.slot], "float32", p.a, by_name[heads[p.slot]]))
+        return out
+
+    def _runs(self) -> list[tuple[str, int, int, int]]:
+        """What a load reads, in order: ``(state, piece index, lo, hi)`` for every owned piece."""
+        return [(name, k, p.a, p.b) for k, p in enumerate(self._mine) for name in (*self._states, *(("master",) if k in self._masters else ()))]
+
+    def wants(self, description: Mapping[str, Any]) -> list[Run]:
+        """The slices this rank owns of every state of a checkpoint of this optimizer (ValueError: another optimizer)."""
+        problem = self._mismatch(description)
+        if problem is not None:
+            raise ValueError(problem)
+        heads = self._dp.trainable
+        return [Run(state_key(s, heads[self._mine[k].slot]), self._shapes[self._mine[k].slot], "float32", a, b) for s, k, a, b in self._runs()]
+
+    def prepare(self, description: Mapping[str, Any], values: Sequence[np.ndarray]) -> Callable[[], None]:
+        """Check the slices read (:meth:`wants`' order) and the step counts; the commit that loads them (ValueError: refused).
+
+        The commit writes the state, the masters, the step counts and every
+        group's hyperparameters (a scheduled ``lr``, torch's ``initial_lr``),
+        as ``torch.optim``'s ``load_state_dict`` does.
         """
-        staged: dict[str, np.ndarray] = {}
-        masters: dict[int, np.ndarray] = {}
-        steps: list[int] = []
-        try:
-            error = self._mismatch(hyperparameters)
-            if error is None:
-                steps = [int(g["step"]) for g in hyperparameters["groups"]]
-                staged, masters = self._read(read)
-        except Exception as e:  # noqa: BLE001 - this rank's error, agreed
-            error = f"{type(e).__name__}: {e}"
-        loaded = {**self.hyperparameters(), "steps": steps}
-        self._agree(None if error is None else f"load: {error}", "sharded optimizer: load", loaded)
-        for name, a in staged.items():
-            self._states[name][...] = a
-        for k, m in masters.items():
-            self._masters[k][...] = m
-        for g, n, saved in zip(self.groups, steps, hyperparameters["groups"]):
-            g.step = n
-            g.hp.update({k: tuple(v) if isinstance(v, list) else v for k, v in saved.items() if k not in ("params", "step")})
+        steps = [g.get("step") for g in description["groups"]]
+        if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in steps):
+            raise ValueError(f"the optimizer's step counts must be non-negative ints, got {steps!r}")
+        runs = self._runs()
+        if len(values) != len(runs):
+            raise ValueError(f"expected {len(runs)} slices of optimizer state, got {len(values)}")
+        heads = self._dp.trainable
+        checked = [_piece(v, b - a, s, heads[self._mine[k].slot]) for (s, k, a, b), v in zip(runs, values)]
+
+        def commit() -> None:
+            for (s, k, a, b), v in zip(runs, checked):
+                if s == "master":
+                    self._masters[k][...] = v
+                else:
+                    p = self._mine[k]
+                    self._states[s][p.offset : p.offset + b - a] = v
+            for g, n, saved in zip(self.groups, steps, description["groups"]):
+                g.step = n
+                for key, v in saved.items():
+                    if key not in ("params", "step"):
+                        g.hp[key] = tuple(v) if isinstance(v, list) else v
+
+        return commit
 
     def _mismatch(self, saved: Mapping[str, Any]) -> str | None:
-        """How a saved description differs from this optimizer's in kind or groups' parameters, or None."""
-        mine = {"kind": self.kind, "groups": [{"params": g["params"]} for g in self.hyperparameters()["groups"]]}
-        groups = saved.get("groups", [])
+        """How a saved description differs from this optimizer's (kind, groups' parameters, keys, state names), or None."""
+        groups = saved.get("groups")
+        if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups) or not isinstance(saved.get("state"), list):
+            return "the checkpoint's optimizer description has no list of groups and state names"
+        mine = {"kind": self.kind, "groups": [{"params": list(g.names)} for g in self.groups]}
         theirs = {"kind": saved.get("kind"), "groups": [{"params": g.get("params")} for g in groups]}
-        if any(set(g) - {"params", "step"} != set(m) - {"params", "step"} for g, m in zip(groups, self.hyperparameters()["groups"])):
-            return "the checkpoint's optimizer differs: its groups hold other hyperparameters"
         where = groupings.first(mine, theirs)
-        return None if where is None else f"the checkpoint's optimizer differs: {where}"
-
-    def _read(self, read: Callable[[str, str, int, int], Any]) -> tuple[dict[str, np.ndarray], dict[int, np.ndarray]]:
-        heads = self._dp.trainable
-        staged = {name: np.empty_like(a) for name, a in self._states.items()}
-        masters: dict[int, np.ndarray] = {}
-        for k, p in enumerate(self._mine):
-            for name, a in staged.items():
-                a[p.offset : p.offset + p.b - p.a] = _piece(read(name, heads[p.slot], p.a, p.b), p.b - p.a, name, heads[p.slot])
-            if k in self._masters:
-                masters[k] = _piece(read("master", heads[p.slot], p.a, p.b), p.b - p.a, "master", heads[p.slot])
-        return staged, masters
+        if where is not None:
+            return f"the checkpoint's optimizer differs: {where}"
+        assert self.rule is not None
+        lacking = [k for g in groups for k in self.rule.defaults if k not in g]
+        if lacking:
+            return f"the checkpoint's optimizer groups lack the hyperparameter {lacking[0]!r}"
+        if list(self.state_names()) != saved["state"]:
+            return (
+                f"the checkpoint's optimizer keeps the states {saved['state']}, this one {list(self.state_names())} "
+                "(amsgrad, momentum or the parameters' dtypes differ): build it as the checkpoint's was"
+            )
+        return None
 
     def _agree(self, error: str | None, operation: str, description: dict[str, Any]) -> None:
         """Agree on ``description`` (and every rank's error): ContractError on every rank where they differ (collective)."""
@@ -313,6 +350,8 @@ class ShardedOptimizer:
             why = self.rule.check(g.hp)
             if why is not None:
                 return f"group {k}: {why}"
+        if self._rule_states() != tuple(self._states):
+            return f"the optimizer was built with the states {list(self._states)}, its groups now need {list(self._rule_states())}: set amsgrad and momentum when building it"
         return None
 
     def _reduce(self, agreed: Any, present: list[bool], operation: str) -> np.ndarray:

@@ -106,7 +106,12 @@ def recover(folder: Path) -> None:
     """Finish every publish a crash interrupted in ``folder`` (the root's, before a save): a complete new one wins."""
     for tmp in folder.glob(".tmp-*"):
         tag = tmp.name.removeprefix(".tmp-")
-        if not (folder / tag).exists() and (tmp / files.MANIFEST).is_file():
+        if (tmp / files.MANIFEST).is_file():  # every rank wrote it and the manifest is there: it replaces the old one
+            old = folder / f".old-{tag}"
+            if (folder / tag).exists():
+                if old.exists():
+                    shutil.rmtree(old)
+                (folder / tag).rename(old)
             tmp.rename(folder / tag)
     for old in folder.glob(".old-*"):
         tag = old.name.removeprefix(".old-")
@@ -258,8 +263,9 @@ def _agreed(session: Any, where: str | os.PathLike[str]) -> tuple[Path, dict[str
             return path, manifest
         time.sleep(0.05 * (attempt + 1))
     raise ContractError(
-        f"checkpoint load {str(where)!r}: rank {other} resolved another checkpoint (or another manifest) than rank 0, "
-        f"{RESOLVE_TRIES} times: a save into the same folder raced the load; load a tag, or retry when it is done"
+        f"checkpoint load: rank {other} resolved another checkpoint than rank 0 (another folder, tag or manifest), "
+        f"{RESOLVE_TRIES} times: every rank must load the same one; where a save into the same folder raced the load, "
+        "load a tag, or retry when it is done"
     )
 
 

@@ -17,7 +17,7 @@ FLOORS = {
     "exact": 2.5,
     "layout": 3, "records": 3, "guard": 3, "overlap.progress": 3, "optim.moves": 3,
     "cuda": 3.5,  # the device room stands on the agreement it uses (select_device's), under checks and window
-    "exact.window": 4, "overlap.exact_jobs": 4,
+    "exact.window": 4, "overlap.exact_jobs": 4, "optim.offload": 4,
     "window": 4, "checks": 4,
     "session": 4.5,
     "core": 5,

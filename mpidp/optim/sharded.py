@@ -21,12 +21,12 @@ from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
 
-from .. import arrays, casts, cuda, records
+from .. import arrays, casts, records
 from ..core import DataParallel, MissingGradientPolicy
 from ..cut import Cut, byte_bounds, pieces, starts
 from ..errors import CollectiveError, ContractError
 from . import groups as groupings
-from . import moves, norm, rules
+from . import moves, norm, offload, rules
 from .state import OptimizerState, Piece, Run, state_key
 
 __all__ = ["ShardedOptimizer", "StepResult"]
@@ -95,8 +95,7 @@ class ShardedOptimizer(OptimizerState):
         self._dtypes = [a.dtype for a in self._flats]
         self.cut = Cut.of(facts.sizes, facts.comm.rank, facts.comm.size)
         self._chunk_bytes = facts.chunk_bytes
-        self._device = facts.device != "cpu"  # device arrays: the state and the update on the host (offload)
-        self._staged: dict[int, tuple[int, np.ndarray]] = {}  # device: per slot, this rank's updated piece (start, host values)
+        self._place = offload.place(facts.device)  # host arrays in place, or device arrays with the update on the host
         itemsizes = [d.itemsize for d in self._dtypes]
         self._bytes_begin = starts([n * i for n, i in zip(facts.sizes, itemsizes)])  # the flat byte storage
         self._spans = byte_bounds(self.cut.begin, self._bytes_begin, itemsizes, self.cut.bounds)
@@ -147,10 +146,9 @@ class ShardedOptimizer(OptimizerState):
 
     def _make_masters(self) -> dict[int, np.ndarray]:
         """float32 copies of this rank's pieces of 16-bit parameters, by piece index."""
-        if self._device:
-            cuda.wait_for_torch()  # torch's queued writes to the parameters are done before they are copied down
+        self._place.wait()
         return {
-            k: arrays.to_host(self._flats[p.slot][p.a : p.b]).astype(np.float32)
+            k: self._place.down(self._flats[p.slot][p.a : p.b]).astype(np.float32)
             for k, p in enumerate(self._mine) if self._dtypes[p.slot] != np.float32
         }
 
@@ -375,9 +373,8 @@ class ShardedOptimizer(OptimizerState):
             arrays.view(x.array).reshape(-1) if x is not None and here and agreed.weight > 0 else None
             for x, here in zip(agreed.given, present)
         ]
-        if self._device:  # the gradients down to the host, once (after torch's queued work on them)
-            cuda.wait_for_torch()
-            views = [None if v is None else arrays.to_host(v) for v in views]
+        self._place.wait()  # the gradients on the host, once
+        views = [None if v is None else self._place.down(v) for v in views]
 
         def fill(a: int, b: int, out: np.ndarray) -> None:
             for p in pieces(self.cut.begin, a, b):
@@ -429,7 +426,7 @@ class ShardedOptimizer(OptimizerState):
                 continue
             group, master = self._group_of[p.slot], self._masters.get(k)
             flat = self._flats[p.slot]
-            values = master if master is not None else arrays.to_host(flat[p.a : p.b]) if self._device else flat[p.a : p.b]
+            values = master if master is not None else self._place.down(flat[p.a : p.b])
             # in blocks that stay in cache: the rule's temporaries of a whole slice of a large tensor
             # (an embedding) made that rank's update about 3x slower per element than the others'.
             # An element's update reads only its own values, so the blocks change no bit.
@@ -437,42 +434,25 @@ class ShardedOptimizer(OptimizerState):
                 b = min(a + UPDATE_BLOCK, p.b - p.a)
                 state = {name: s[p.offset + a : p.offset + b] for name, s in self._states.items()}
                 self.rule.update(group.hp, group.step, values[a:b], grad[p.offset + a : p.offset + b], state)
-            if self._device:  # up to the device, in the parameter's dtype (16-bit: rounded to nearest even, as below)
-                self._staged[p.slot] = (p.a, values.astype(self._dtypes[p.slot], copy=False))
-                arrays.write_device(flat[p.a : p.b], self._staged[p.slot][1])
-            elif master is not None:
-                flat[p.a : p.b] = master  # rounded to the parameter's dtype (to nearest even)
+            self._place.updated(p.slot, p.a, values, flat[p.a : p.b], self._dtypes[p.slot], master is not None)
         return updated
 
     def _gather(self, updated: list[bool], operation: str) -> None:
         """Every owner's updated parameters into every rank's, as bytes (collective)."""
         moves.gather(self._comm, self._spans, self.cut.rank, self._chunk_bytes, self._fill, self._writer(updated), operation)
-        if self._device and self._flats:  # every copy up is done before the caller's next kernels read the parameters
-            arrays.synchronize(self._flats[0])
-            self._staged.clear()
+        self._place.done(self._flats)
 
     def _fill(self, lo: int, hi: int, out: np.ndarray) -> None:
         """This rank's parameter bytes ``[lo, hi)`` of the flat byte storage into uint8 ``out`` (16-bit: the masters as rounded)."""
         for p in pieces(self._bytes_begin, lo, hi):
-            if self._device:  # this rank's updated piece of the slot, on the host (a slot not updated: nobody writes it)
-                start, values = self._staged.get(p.slot, (0, None))
-                if values is None:
-                    out[p.offset : p.offset + p.b - p.a] = 0
-                    continue
-                at = start * values.itemsize
-                out[p.offset : p.offset + p.b - p.a] = values.view(np.uint8)[p.a - at : p.b - at]
-            else:
-                out[p.offset : p.offset + p.b - p.a] = self._flats[p.slot].view(np.uint8)[p.a : p.b]
+            got = self._place.fill(p.slot, self._flats[p.slot], p.a, p.b)
+            out[p.offset : p.offset + p.b - p.a] = 0 if got is None else got
 
     def _writer(self, updated: list[bool]) -> moves.Fill:
         def write(lo: int, hi: int, values: np.ndarray) -> None:
             for p in pieces(self._bytes_begin, lo, hi):
                 if updated[p.slot]:
-                    got, place = values[p.offset : p.offset + p.b - p.a], self._flats[p.slot].view(np.uint8)[p.a : p.b]
-                    if self._device:
-                        arrays.write_device(place, got)
-                    else:
-                        place[...] = got
+                    self._place.write(self._flats[p.slot].view(np.uint8)[p.a : p.b], values[p.offset : p.offset + p.b - p.a])
 
         return write
 

@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -316,3 +317,50 @@ def test_an_exact_checkpoint_loaded_without_exact_warns_on_the_root(comm: MPI.Co
         warnings.simplefilter("always")
         dp.load_checkpoint(folder)
     assert [str(w.message) for w in caught if "exact=True" in str(w.message)] != [] if comm.rank == 0 else not caught
+
+
+SAVER = """
+import sys, numpy as np, mpidp
+from mpi4py import MPI
+from mpidp import checkpoint
+params = {"w": np.zeros(4096, np.float32), "v": np.zeros(333, np.float32)}
+with mpidp.DataParallel.initialize(params, MPI.COMM_SELF) as dp:
+    for k in range(1, 41):
+        for a in params.values():
+            a[:] = k
+        checkpoint.save(dp, sys.argv[1], params, tag=f"k{k:03d}", replace=True)
+        checkpoint.save(dp, sys.argv[1], params, tag="same", replace=True)
+"""
+
+
+def test_loads_that_race_another_jobs_saves_load_one_whole_checkpoint_or_fail_everywhere(comm: MPI.Comm, folder: Path) -> None:
+    """Another job saves into the folder (new tags, and one tag replaced) while every rank loads ``latest`` or that tag."""
+    params = {"w": np.zeros(4096, np.float32), "v": np.zeros(333, np.float32)}
+    saver = None
+    if comm.rank == 0:
+        params["w"][:] = params["v"][:] = 0
+        with mpidp.DataParallel.initialize(params, MPI.COMM_SELF) as first:
+            checkpoint.save(first, folder, params, tag="k000")
+        saver = subprocess.Popen([sys.executable, "-c", SAVER, str(folder)], env=clean_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 120
+        while not (folder / "k001").exists() and saver.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)  # the other job is saving now
+    comm.Barrier()
+    outcomes = []
+    with mpidp.DataParallel.initialize(params, comm) as dp:
+        for where in [folder] * 12 + [folder / "same"] * 12:
+            try:
+                checkpoint.load(dp, where, params)
+                values = {float(v) for a in params.values() for v in np.unique(a)}
+                assert len(values) == 1, values  # one checkpoint, whole: every value of one save
+                outcomes.append(("loaded", values.pop()))
+            except ContractError as e:
+                outcomes.append(("refused", str(e)))
+    every = comm.allgather(outcomes)
+    assert all(o == every[0] for o in every), every  # the same checkpoint or the same error on every rank
+    if saver is not None:
+        failed = saver.poll()  # still saving, or done without an error
+        saver.kill()
+        _, err = saver.communicate(timeout=60)
+        assert failed in (None, 0), err
+    assert any(kind == "loaded" for kind, _ in outcomes), outcomes

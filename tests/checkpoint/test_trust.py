@@ -23,13 +23,13 @@ from conftest import clean_env, first_ranks, same_error_everywhere
 from mpi4py import MPI
 
 torch = pytest.importorskip("torch")
-import torch.nn.functional as F
+
+from test_torch_checkpoint import window
 
 import mpidp.torch
 from mpidp import ContractError, checkpoint
 from mpidp.checkpoint import collective, files
-from mpidp.exact import shard
-from mpidp.examples.charlm import IGNORE, VOCAB, CharLM, Language, batch
+from mpidp.examples.charlm import CharLM, Language
 from mpidp.torch.optim import ShardedOptimizer
 
 COUNT = 4  # micro-batches per window
@@ -50,19 +50,6 @@ def lm() -> Any:
     return CharLM(dim=16, layers=1, heads=2, context=24)
 
 
-def window(dp: Any, step: int, model: Any, lang: Language) -> int:
-    """One exact window of COUNT micro-batches spread over the ranks; the tokens behind this rank's sums."""
-    tokens = 0
-    mine = list(shard(COUNT, dp.rank, dp.world_size))
-    for j, i in enumerate(mine):
-        x, y = batch(np.random.default_rng([step, i]), lang, 2, 24)
-        F.cross_entropy(model(x).view(-1, VOCAB), y.view(-1), ignore_index=IGNORE, reduction="sum").backward()
-        if j < len(mine) - 1:
-            dp.fold()
-        tokens += int((y != IGNORE).sum())
-    return tokens
-
-
 def scheduled(comm: MPI.Comm, steps: range, sharded: bool, save: Path | None = None, resume: Path | None = None) -> str:
     """An exact run with a LambdaLR in the usual order (step, sched.step, save); its parameters' hash."""
     model, lang = lm(), Language()
@@ -77,7 +64,7 @@ def scheduled(comm: MPI.Comm, steps: range, sharded: bool, save: Path | None = N
                 sched.load_state_dict(extras["scheduler"])
                 assert extras["next"] == steps.start
             for step in steps:
-                tokens = window(dp, step, model, lang)
+                tokens = window(dp, step, model, lang, COUNT)
                 if sharded:
                     opt.step(local_weight=tokens)
                 else:

@@ -176,7 +176,7 @@ class DataParallel(Session):
 
         ``bounds``: every rank's slice of the storage (slots back to back in
         index order); ``pieces(lo, hi)``: the slots of a flat range (as
-        :func:`mpidp.optim.cut.pieces`). False, with nothing moved, where the agreed window does
+        :func:`mpidp.cut.pieces`). False, with nothing moved, where the agreed window does
         not allow it (:meth:`mpidp.exact.window.ExactWindow.reduce_owned`): then
         :meth:`reduce_exact` the whole. Raises CollectiveError if MPI fails.
         """

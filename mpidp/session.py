@@ -138,8 +138,12 @@ class Session:
 
     @property
     def window(self) -> int:
-        """Number of :meth:`reduce` calls so far, failed ones included (local)."""
+        """Number of :meth:`reduce` calls so far in the run, failed ones included, counted on after a checkpoint's load (local)."""
         return self._window
+
+    def continue_count(self, windows: int) -> None:
+        """Count the run's windows on from ``windows`` (a loaded checkpoint's count: every rank alike; local)."""
+        self._window = int(windows)
 
     @property
     def names(self) -> tuple[str, ...]:

@@ -8,8 +8,7 @@ arrays without MPI (``python -m mpidp.checkpoint export``), and
 every rank agrees on at a window boundary.
 """
 
-from .collective import latest
-from .files import consolidate
+from .collective import consolidate, latest
 from .state import load, save
 from .stop import StopSignal
 

@@ -22,16 +22,17 @@ def main(argv: list[str] | None = None) -> int:
     try:
         path = collective.resolve(args.path)
         if args.command == "info":
-            m = files.read_manifest(path)
+            m, _ = files.read_manifest(path)
             optimizer = m["optimizer"]["kind"] if m["optimizer"] else "none"
-            print(f"{path}: written by {m['world_size']} ranks (mpidp {m['mpidp']}), window {m['window']}, exact={m['exact']}")
+            print(f"{path}: written by {m['world_size']} ranks (mpidp {m['mpidp']}), window {m['window']}, exact={m['exact']}, id {m['id']}")
             print(f"{len(m['params'])} parameters ({len(m['aliases'])} tied names), optimizer {optimizer}, extras {sorted(m['extras']) + m['extra_arrays']}")
             return 0
-        params = files.consolidate(path)
+        params = collective.consolidate(path)
         save_file({k: v for k, v in params.items()}, args.out, metadata={"format": "pt", "source": str(path)})
         print(f"wrote {len(params)} tensors of {path} to {args.out}")
-    except (OSError, ValueError) as e:
-        print(f"python -m mpidp.checkpoint: {e}", file=sys.stderr)
+    except Exception as e:  # noqa: BLE001 - a bad checkpoint is a message and exit 2, never a traceback
+        text = str(e) if isinstance(e, (OSError, ValueError)) else f"{type(e).__name__}: {e}"
+        print(f"python -m mpidp.checkpoint: {text}", file=sys.stderr)
         return 2
     return 0
 

@@ -1,8 +1,8 @@
-"""A checkpoint on disk: one safetensors file per writing rank, a manifest, and the reads of any slice (pure, no MPI).
+"""A checkpoint on disk: one safetensors file per writing rank, a manifest, checked reads of any slice (pure, no MPI).
 
 A checkpoint is a folder::
 
-    manifest.json                     what it holds: tensors, their pieces, the optimizer, extras, world size
+    manifest.json                     what it holds: tensors, their pieces, the files' sizes and checksums, its id
     rank-00000-of-00004.safetensors   the pieces rank 0 wrote (flat 1-D runs of elements of logical tensors)
     ...
 
@@ -10,31 +10,39 @@ Every logical tensor (a parameter, an optimizer state of one parameter, a
 buffer) is stored as *pieces*: runs ``[lo, hi)`` of its elements in C
 order, each under the key ``"<tensor>@<lo>"`` of the file of the rank that
 wrote it, in the tensor's own dtype. A reader of any world size reads only
-the runs it needs (:class:`Reader`), through safetensors' slices, which
-read those bytes and no others. Each rank file's metadata says which
-logical tensors its pieces belong to (``"tensors"``: shape and dtype);
-the root builds the manifest from the files' headers after every rank has
-written its own, so nothing is gathered through MPI.
+the runs it needs (:class:`Reader`), through safetensors' slices. Each rank
+file's metadata names the checkpoint's id and the logical tensors of its
+pieces; each file's xxh3-64 checksum is computed from the bytes written and
+kept in the manifest. Nothing a manifest or ``latest`` says can name a
+file outside the checkpoint's folder: file names are checked against the
+one scheme before anything is opened (:func:`check_manifest`).
 """
 
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import ml_dtypes
 import numpy as np
+import xxhash
 from safetensors import safe_open
-from safetensors.numpy import save_file
+from safetensors.numpy import save
 
-__all__ = ["FORMAT", "LATEST", "MANIFEST", "Reader", "build_manifest", "check_files", "consolidate", "cut", "dtype_name", "pieces_of", "rank_file", "read_manifest", "write_json", "write_rank_file"]
+from ..cut import bounds, pieces, starts
+
+__all__ = [
+    "FORMAT", "LATEST", "MANIFEST", "Reader", "build_manifest", "check_files", "check_manifest", "checksum_file",
+    "consolidate", "dtype_name", "plain_name", "rank_file", "read_manifest", "runs_of", "share", "write_json", "write_rank_file",
+]
 
 FORMAT = "mpidp-checkpoint"
-VERSION = 1
+VERSION = 2
 MANIFEST = "manifest.json"
 #: a file in the checkpoints' folder naming the newest complete checkpoint
 LATEST = "latest"
@@ -55,27 +63,44 @@ def rank_file(rank: int, size: int) -> str:
     return f"rank-{rank:05d}-of-{size:05d}.safetensors"
 
 
-def cut(total: int, size: int, rank: int) -> tuple[int, int]:
-    """Rank ``rank``'s share ``[lo, hi)`` of ``total`` elements cut into ``size`` contiguous runs (sizes only)."""
-    return total * rank // size, total * (rank + 1) // size
+def plain_name(name: Any) -> str | None:
+    """Why ``name`` is not a plain name of an entry of a folder (a tag, a file), or None."""
+    bad = not isinstance(name, str) or not name or name in (".", "..") or name.startswith(".") or len(name) > 255
+    if bad or any(c in name for c in "/\\\0\n"):
+        return f"not a plain name inside the folder: {name!r}"[:200]
+    return None
 
 
-def pieces_of(lengths: Iterable[tuple[str, int]], lo: int, hi: int) -> list[tuple[str, int, int]]:
+def share(total: int, size: int, rank: int) -> tuple[int, int]:
+    """Rank ``rank``'s run ``[lo, hi)`` of ``total`` elements cut into ``size`` runs (:func:`mpidp.cut.bounds`)."""
+    b = bounds(total, size)
+    return b[rank], b[rank + 1]
+
+
+def runs_of(lengths: list[tuple[str, int]], lo: int, hi: int) -> list[tuple[str, int, int]]:
     """The parts ``(name, start, stop)`` of tensors laid end to end (``(name, numel)`` in order) that ``[lo, hi)`` covers."""
-    out, base = [], 0
-    for name, n in lengths:
-        a, b = max(lo, base), min(hi, base + n)
-        if a < b:
-            out.append((name, a - base, b - base))
-        base += n
-    return out
+    begin = starts([n for _, n in lengths])
+    return [(lengths[p.slot][0], p.a, p.b) for p in pieces(begin, lo, hi)]
 
 
-def write_rank_file(path: Path, pieces: Mapping[str, np.ndarray], tensors: Mapping[str, tuple[tuple[int, ...], str]]) -> None:
-    """Write one rank's pieces (``{"<tensor>@<lo>": 1-D array}``) and their tensors' shapes and dtypes, then fsync."""
-    meta = {"format": FORMAT, "tensors": json.dumps({k: [list(s), d] for k, (s, d) in tensors.items()})}
-    save_file({k: np.ascontiguousarray(v).reshape(-1) for k, v in pieces.items()}, str(path), metadata=meta)
-    _fsync(path)
+def write_rank_file(path: Path, runs: Mapping[str, np.ndarray], tensors: Mapping[str, tuple[tuple[int, ...], str]], ident: str) -> int:
+    """Write one rank's runs (``{"<tensor>@<lo>": 1-D array}``), their tensors and the checkpoint id; fsync; its checksum."""
+    meta = {"format": FORMAT, "id": ident, "tensors": json.dumps({k: [list(s), d] for k, (s, d) in tensors.items()})}
+    data = save({k: np.ascontiguousarray(v).reshape(-1) for k, v in runs.items()}, metadata=meta)
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    return xxhash.xxh3_64_intdigest(data) >> 1  # 63 bits: one word of an agreement
+
+
+def checksum_file(path: Path) -> int:
+    """The checksum of a file's bytes, as :func:`write_rank_file` returns it."""
+    with open(path, "rb") as f:
+        if os.fstat(f.fileno()).st_size == 0:
+            return xxhash.xxh3_64_intdigest(b"") >> 1
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:  # hashed where the page cache holds it: no copy
+            return xxhash.xxh3_64_intdigest(m) >> 1
 
 
 def write_json(path: Path, obj: Any) -> None:
@@ -86,10 +111,11 @@ def write_json(path: Path, obj: Any) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    _fsync(path.parent)
+    fsync(path.parent)
 
 
-def _fsync(path: Path) -> None:
+def fsync(path: Path) -> None:
+    """fsync a file or folder by path."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -97,15 +123,15 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
-def build_manifest(folder: Path, size: int, head: Mapping[str, Any]) -> dict[str, Any]:
+def build_manifest(folder: Path, size: int, head: Mapping[str, Any], ident: str, checksums: list[int]) -> dict[str, Any]:
     """The manifest of the rank files in ``folder`` (written by ``size`` ranks): ``head`` plus tensors, pieces, files.
 
     Reads only the files' headers. Raises ValueError naming a file that is
     missing or unreadable, or a tensor whose pieces leave elements out.
     """
-    files = [rank_file(r, size) for r in range(size)]
+    names = [rank_file(r, size) for r in range(size)]
     tensors: dict[str, dict[str, Any]] = {}
-    for index, name in enumerate(files):
+    for index, name in enumerate(names):
         with safe_open(str(folder / name), "np") as f:
             for key, (shape, dtype) in json.loads((f.metadata() or {})["tensors"]).items():
                 entry = tensors.setdefault(key, {"shape": shape, "dtype": dtype, "pieces": []})
@@ -120,27 +146,37 @@ def build_manifest(folder: Path, size: int, head: Mapping[str, Any]) -> dict[str
     for key, entry in tensors.items():
         entry["pieces"].sort(key=lambda p: p[1])
         _coverage(key, entry)
-    sizes = [(folder / name).stat().st_size for name in files]
-    return {**head, "format": FORMAT, "version": VERSION, "world_size": size, "files": files, "bytes": sizes, "tensors": tensors}
+    sizes = [(folder / name).stat().st_size for name in names]
+    checks = [f"{c:016x}" for c in checksums]
+    return {**head, "format": FORMAT, "version": VERSION, "id": ident, "world_size": size, "files": names, "bytes": sizes, "checksums": checks, "tensors": tensors}
+
+
+def numel(shape: Any) -> int:
+    """The element count of a shape (a list or tuple of non-negative ints), exact."""
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
 
 
 def _coverage(key: str, entry: Mapping[str, Any]) -> None:
     """Raise ValueError unless ``entry``'s pieces (sorted) cover its elements once each."""
-    numel = int(np.prod(entry["shape"], dtype=np.int64))
+    total = numel(entry["shape"])
     at = 0
     for _, lo, hi in entry["pieces"]:
         if lo != at:
             raise ValueError(f"tensor {key!r}: elements [{at}, {lo}) are in no file" if lo > at else f"tensor {key!r}: elements from {lo} are in two files")
         at = hi
-    if at != numel:
-        raise ValueError(f"tensor {key!r}: elements [{at}, {numel}) are in no file")
+    if at != total:
+        raise ValueError(f"tensor {key!r}: elements [{at}, {total}) are in no file")
 
 
-def read_manifest(path: Path) -> dict[str, Any]:
-    """Read and check the manifest of the checkpoint at ``path``; ValueError names what is wrong."""
+def read_manifest(path: Path) -> tuple[dict[str, Any], int]:
+    """Read and check the manifest of the checkpoint at ``path``, and its bytes' checksum; ValueError names what is wrong."""
     file = path / MANIFEST
     try:
-        manifest = json.loads(file.read_text())
+        text = file.read_bytes()
+        manifest = json.loads(text)
     except FileNotFoundError:
         raise ValueError(f"{file}: no such file: not a complete mpidp checkpoint") from None
     except (OSError, ValueError) as e:
@@ -148,10 +184,73 @@ def read_manifest(path: Path) -> dict[str, Any]:
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise ValueError(f"{file}: not an mpidp checkpoint manifest")
     if manifest.get("version") != VERSION:
-        raise ValueError(f"{file}: format version {manifest.get('version')}, this mpidp reads version {VERSION}")
-    for key, entry in manifest["tensors"].items():
+        raise ValueError(f"{file}: format version {manifest.get('version')!r}, this mpidp reads version {VERSION}")
+    problem = check_manifest(manifest)
+    if problem is not None:
+        raise ValueError(f"{file}: {problem}")
+    return manifest, xxhash.xxh3_64_intdigest(text) >> 1
+
+
+_TOP: dict[str, Any] = {
+    "id": str, "world_size": int, "files": list, "bytes": list, "checksums": list, "tensors": dict, "mpidp": str, "window": int,
+    "exact": bool, "params": list, "aliases": dict, "extras": dict, "extra_arrays": list, "buffers": dict,
+}
+
+
+def check_manifest(m: Mapping[str, Any]) -> str | None:
+    """The first field of a manifest that is missing, of another type, or out of bounds, named; or None."""
+    for field, kind in _TOP.items():
+        if field not in m:
+            return f"field {field!r} is missing"
+        if not isinstance(m[field], kind) or (kind is int and isinstance(m[field], bool)):
+            return f"field {field!r} is a {type(m[field]).__name__}, not a {kind.__name__}"
+    size = m["world_size"]
+    if not 1 <= size <= 1 << 20 or m["window"] < 0:
+        return f"field 'world_size' or 'window' is out of range ({size}, {m['window']})"
+    if m["files"] != [rank_file(r, size) for r in range(size)]:
+        return f"field 'files' must name the {size} rank files {rank_file(0, size)!r}, ... of this folder, got {str(m['files'])[:200]}"
+    if len(m["bytes"]) != size or not all(_count(b) for b in m["bytes"]):
+        return "field 'bytes' must hold one non-negative int per file"
+    if len(m["checksums"]) != size or not all(isinstance(c, str) and re.fullmatch(r"[0-9a-f]{16}", c) for c in m["checksums"]):
+        return "field 'checksums' must hold one 16-digit hex checksum per file"
+    names = [*m["params"], *m["aliases"], *m["aliases"].values(), *m["extra_arrays"], *m["buffers"]]
+    if not all(isinstance(n, str) for n in names) or not all(isinstance(v, str) for v in m["buffers"].values()):
+        return "fields 'params', 'aliases', 'extra_arrays' and 'buffers' hold names (strings)"
+    if m.get("optimizer") is not None and not (isinstance(m["optimizer"], dict) and isinstance(m["optimizer"].get("kind"), str) and isinstance(m["optimizer"].get("description"), dict)):
+        return "field 'optimizer' must be null or hold a 'kind' (string) and a 'description' (object)"
+    wanted = [f"param/{n}" for n in m["params"]] + [f"extra/{n}" for n in m["extra_arrays"]] + [f"buffer/{n}" for n in m["buffers"]]
+    missing = [k for k in wanted if k not in m["tensors"]] + [h for h in m["aliases"].values() if h not in m["params"]]
+    if missing:
+        return f"it names {missing[0]!r}, which it does not hold"
+    used = [0] * size
+    for key, entry in m["tensors"].items():
+        problem = _entry(key, entry, size, used)
+        if problem is not None:
+            return problem
+    over = [r for r in range(size) if used[r] > m["bytes"][r]]
+    return None if not over else f"the tensors' pieces need {used[over[0]]} bytes of {m['files'][over[0]]}, which has {m['bytes'][over[0]]}"
+
+
+def _count(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def _entry(key: str, entry: Any, size: int, used: list[int]) -> str | None:
+    """What is wrong with one tensor's entry (shape, dtype, pieces in bounds and covering it once), or None."""
+    if not isinstance(entry, dict) or not isinstance(entry.get("shape"), list) or not all(_count(d) for d in entry["shape"]):
+        return f"tensor {key!r}: 'shape' must be a list of non-negative ints"
+    if entry.get("dtype") not in _DTYPES or not isinstance(entry.get("pieces"), list):
+        return f"tensor {key!r}: 'dtype' must be one of {', '.join(_DTYPES)} and 'pieces' a list"
+    total, itemsize = numel(entry["shape"]), np.dtype(_DTYPES[entry["dtype"]]).itemsize
+    for p in entry["pieces"]:
+        if not (isinstance(p, list) and len(p) == 3 and all(_count(x) for x in p) and p[0] < size and p[1] < p[2] <= total):
+            return f"tensor {key!r}: a piece {str(p)[:80]} is not [file index, lo, hi] within the tensor and the files"
+        used[p[0]] += (p[2] - p[1]) * itemsize
+    try:
         _coverage(key, entry)
-    return manifest
+    except ValueError as e:
+        return str(e)
+    return None
 
 
 def check_files(path: Path, manifest: Mapping[str, Any]) -> str | None:
@@ -163,6 +262,16 @@ def check_files(path: Path, manifest: Mapping[str, Any]) -> str | None:
             return f"{path / name}: {e.strerror or e}"
         if have != size:
             return f"{path / name}: {have} bytes, the manifest says {size} (truncated or replaced)"
+    return None
+
+
+def verify(path: Path, manifest: Mapping[str, Any], which: range) -> str | None:
+    """The first of the files ``which`` (indices) whose bytes' checksum differs from the manifest's, named; or None."""
+    for index in which:
+        name = manifest["files"][index]
+        have, want = f"{checksum_file(path / name):016x}", manifest["checksums"][index]
+        if have != want:
+            return f"{path / name}: checksum {have}, the manifest says {want}: the file is damaged or was replaced"
     return None
 
 
@@ -190,7 +299,10 @@ class Reader:
         """Elements ``[lo, hi)`` (C order) of ``tensor``, as a new 1-D array of its dtype."""
         entry = self.entry(tensor)
         if hi is None:
-            hi = int(np.prod(entry["shape"], dtype=np.int64))
+            hi = numel(entry["shape"])
+        for index, a, b in entry["pieces"]:  # one piece holds the whole run: safetensors' new array is the result, no copy
+            if a <= lo and hi <= b and hi > lo:
+                return np.asarray(self._file(index).get_slice(f"{tensor}@{a}")[lo - a : hi - a]).reshape(-1)
         out = np.empty(hi - lo, dtype=_DTYPES[entry["dtype"]])
         for index, a, b in entry["pieces"]:
             s, e = max(a, lo), min(b, hi)
@@ -202,14 +314,23 @@ class Reader:
         if index not in self._open:
             name = self.path / self.manifest["files"][index]
             handle = safe_open(str(name), "np")
-            self._open[index] = handle.__enter__()
+            f = handle.__enter__()
+            ident = (f.metadata() or {}).get("id")
+            if ident != self.manifest["id"]:
+                f.__exit__(None, None, None)
+                raise ValueError(f"{name}: belongs to checkpoint {ident!r}, the manifest is checkpoint {self.manifest['id']!r}: files of two checkpoints are mixed")
+            self._open[index] = f
         return self._open[index]
 
 
-def consolidate(path: Path) -> dict[str, np.ndarray]:
-    """Every parameter of the checkpoint at ``path`` (tied names included), whole, by name (local; no MPI)."""
-    manifest = read_manifest(path)
-    problem = check_files(path, manifest)
+def consolidate(path: str | os.PathLike[str]) -> dict[str, np.ndarray]:
+    """Every parameter of the checkpoint at ``path`` (tied names included), whole, by name (local; no MPI).
+
+    Every file's checksum is verified first; ValueError names what is wrong.
+    """
+    path = Path(path)
+    manifest, _ = read_manifest(path)
+    problem = check_files(path, manifest) or verify(path, manifest, range(manifest["world_size"]))
     if problem is not None:
         raise ValueError(problem)
     out: dict[str, np.ndarray] = {}

@@ -122,7 +122,7 @@ class ExactWindow:
 
     def reduce_owned(self, agreed: Any, comm: Any, chunk: int, bounds: Sequence[int], pieces: Pieces, out: np.ndarray, operation: str) -> bool:
         """Only this rank's slice ``[bounds[rank], bounds[rank + 1])`` of the flat trainable storage (slots back to back in index
-        order; ``pieces(lo, hi)``: the slots of a flat range, as :func:`mpidp.optim.cut.pieces`), exact, into float32 ``out``;
+        order; ``pieces(lo, hi)``: the slots of a flat range, as :func:`mpidp.cut.pieces`), exact, into float32 ``out``;
         False, with nothing done, where some rank holds inf or NaN (collective).
 
         For a sharded optimizer: each rank's integers go straight to the

@@ -3,7 +3,7 @@
 ``mpidp.optim.AdamW(dp, ...)``, :class:`Adam` and :class:`SGD` are the
 elementwise optimizers; :func:`sharded` builds one by name and refuses the
 optimizers whose update reads a whole tensor (LAMB, LARS, Adafactor,
-Shampoo, Muon). The cut is :mod:`mpidp.optim.cut`'s, the update rules
+Shampoo, Muon). The cut is :mod:`mpidp.cut`'s, the update rules
 :mod:`mpidp.optim.rules`', the exact global norm :mod:`mpidp.optim.norm`'s.
 """
 

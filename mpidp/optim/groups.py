@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, MutableMapping, Sequence
 from typing import Any
 
-__all__ = ["REFUSED", "Group", "describe", "difference", "digest", "first", "parse", "refusal"]
+__all__ = ["REFUSED", "Group", "Live", "describe", "difference", "digest", "first", "parse", "refusal"]
 
 #: optimizers whose update reads a whole tensor (or matrix), so an owner of a slice cut inside a tensor cannot compute it
 REFUSED = {
@@ -37,13 +37,56 @@ def refusal(name: str, why: str | None = None) -> str:
 
 
 class Group:
-    """One parameter group: its head names, its reduction slots, its hyperparameters (torch's group dict, ``params`` too), its step count."""
+    """One parameter group: its head names, its reduction slots, its hyperparameters (``params`` too), its step count.
 
-    def __init__(self, names: list[str], slots: list[int], hp: dict[str, Any]) -> None:
+    ``hp`` is the group dict, or a :class:`Live` view of another optimizer's
+    (torch's ``param_groups``): the one place the hyperparameters live.
+    """
+
+    def __init__(self, names: list[str], slots: list[int], hp: MutableMapping[str, Any]) -> None:
         self.names = names
         self.slots = slots
         self.hp = hp
         self.step = 0
+
+
+def _plain(v: Any) -> bool:
+    """Whether ``v`` is a JSON-able scalar or a list or tuple of them (a hyperparameter a description can carry)."""
+    if isinstance(v, (list, tuple)):
+        return all(_plain(x) for x in v)
+    return v is None or isinstance(v, (str, int, float, bool))
+
+
+class Live(MutableMapping[str, Any]):
+    """A group's hyperparameters read from, and written to, another optimizer's group dict (torch's), when needed.
+
+    ``params`` reads as the head names; every other key of the source whose
+    value is plain data (a scheduler's ``initial_lr`` too) is a
+    hyperparameter, so a step, a save and a load all see what the source
+    holds at that moment: nothing keeps a second copy.
+    """
+
+    def __init__(self, source: MutableMapping[str, Any], names: list[str]) -> None:
+        self._source = source
+        self._names = names
+
+    def __getitem__(self, key: str) -> Any:
+        return self._names if key == "params" else self._source[key]
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        if key == "params":
+            raise KeyError("a group's parameters do not change")
+        self._source[key] = value
+
+    def __delitem__(self, key: str) -> None:
+        del self._source[key]
+
+    def __iter__(self) -> Iterator[str]:
+        yield "params"
+        yield from (k for k, v in self._source.items() if k != "params" and _plain(v))
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
 
 
 def parse(

@@ -10,7 +10,7 @@ padded block per rank and round.
 The gather moves the parameters' own bytes (2 per bfloat16 or float16
 element, 4 per float32): the flat byte storage is every slot's bytes back
 to back, and rank ``j``'s slice of elements is one contiguous byte range
-``[B[j], B[j + 1])`` of it (:func:`mpidp.optim.cut.byte_bounds`). In round
+``[B[j], B[j + 1])`` of it (:func:`mpidp.cut.byte_bounds`). In round
 ``k`` rank ``j`` sends bytes ``[B[j] + k c, B[j] + (k + 1) c)`` of its range
 (``c``: the chunk's bytes per rank), and one Allgatherv gives every rank
 every owner's round, unpadded: the gather moves each parameter's bytes once.
@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .cut import Cut
+from ..cut import Cut
 
 if TYPE_CHECKING:
     from ..comm import Communicator

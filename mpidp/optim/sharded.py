@@ -16,17 +16,18 @@ from __future__ import annotations
 import functools
 import math
 import numbers
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
 
-from .. import arrays, casts, cuda, records
+from .. import arrays, casts, records
 from ..core import DataParallel, MissingGradientPolicy
+from ..cut import Cut, byte_bounds, pieces, starts
 from ..errors import CollectiveError, ContractError
 from . import groups as groupings
-from . import moves, norm, rules
-from .cut import Cut, byte_bounds, pieces, starts
+from . import moves, norm, offload, rules
+from .state import OptimizerState, Piece, Run, state_key
 
 __all__ = ["ShardedOptimizer", "StepResult"]
 
@@ -46,7 +47,7 @@ class StepResult(NamedTuple):
     found_inf: bool = False
 
 
-class ShardedOptimizer:
+class ShardedOptimizer(OptimizerState):
     """The base of the sharded optimizers; a subclass names its rule and says ``elementwise = True``.
 
     Collective: building one is an agreement of every rank of the session
@@ -68,25 +69,33 @@ class ShardedOptimizer:
     the float32 masters and the update stay on the host, as ZeRO-Offload
     keeps them: each step copies the gradients down and every updated slice
     up. ``adapter_error``: an adapter's own local error, raised on every rank
-    by the agreement.
+    by the agreement. ``sources``: another optimizer's group dicts (torch's
+    ``param_groups``), one per group, which then *are* the hyperparameters:
+    read at every step and save, written by a load (:class:`groups.Live`).
+
+    Checkpoints: the contract of :mod:`mpidp.optim.state` (each rank writes
+    and reads the slices it owns; any world size loads).
     """
 
-    kind: ClassVar[str] = ""
+    kind = ""
     elementwise: ClassVar[bool] = False
     whole: ClassVar[str | None] = None  # what a refused optimizer's update reads of a whole tensor
     rule: ClassVar[type[rules.Rule] | None] = None
 
-    def __init__(self, dp: DataParallel, groups_or_names: Any = None, *, adapter_error: str | None = None, **hyperparameters: Any) -> None:
+    def __init__(
+        self, dp: DataParallel, groups_or_names: Any = None, *, adapter_error: str | None = None,
+        sources: Sequence[MutableMapping[str, Any]] | None = None, **hyperparameters: Any,
+    ) -> None:
         facts = dp.facts()
         self._dp, self._comm, self._exact = dp, facts.comm, facts.exact
         self._chunk = max(1, facts.chunk_bytes // 4)
         self._params = facts.params
+        self._shapes = [tuple(arrays.view(p).shape) for p in self._params]
         self._flats = [arrays.view(p).reshape(-1) for p in self._params]
         self._dtypes = [a.dtype for a in self._flats]
         self.cut = Cut.of(facts.sizes, facts.comm.rank, facts.comm.size)
         self._chunk_bytes = facts.chunk_bytes
-        self._device = facts.device != "cpu"  # device arrays: the state and the update on the host (offload)
-        self._staged: dict[int, tuple[int, np.ndarray]] = {}  # device: per slot, this rank's updated piece (start, host values)
+        self._place = offload.place(facts.device)  # host arrays in place, or device arrays with the update on the host
         itemsizes = [d.itemsize for d in self._dtypes]
         self._bytes_begin = starts([n * i for n, i in zip(facts.sizes, itemsizes)])  # the flat byte storage
         self._spans = byte_bounds(self.cut.begin, self._bytes_begin, itemsizes, self.cut.bounds)
@@ -98,6 +107,8 @@ class ShardedOptimizer:
             assert self.rule is not None
             self.groups, error = groupings.parse(groups_or_names, heads, (), self.rule.defaults, hyperparameters)
             error = error or self._problem(facts.device)
+            for g, source in zip(self.groups, sources or ()):
+                g.hp = groupings.Live(source, g.names)
         self._agree(error, "sharded optimizer: agreement", self.hyperparameters())
         self._group_of = {s: g for g in self.groups for s in g.slots}
         self._states = {name: np.zeros(self.cut.hi - self.cut.lo, np.float32) for name in self._rule_states()}
@@ -110,7 +121,7 @@ class ShardedOptimizer:
         return groupings.refusal(type(self).__name__, self.whole)
 
     @property
-    def param_groups(self) -> list[dict[str, Any]]:
+    def param_groups(self) -> list[MutableMapping[str, Any]]:
         """The group dicts (``params``: head names; hyperparameters), live: change ``lr`` here between steps."""
         return [g.hp for g in self.groups]
 
@@ -135,10 +146,9 @@ class ShardedOptimizer:
 
     def _make_masters(self) -> dict[int, np.ndarray]:
         """float32 copies of this rank's pieces of 16-bit parameters, by piece index."""
-        if self._device:
-            cuda.wait_for_torch()  # torch's queued writes to the parameters are done before they are copied down
+        self._place.wait()
         return {
-            k: arrays.to_host(self._flats[p.slot][p.a : p.b]).astype(np.float32)
+            k: self._place.down(self._flats[p.slot][p.a : p.b]).astype(np.float32)
             for k, p in enumerate(self._mine) if self._dtypes[p.slot] != np.float32
         }
 
@@ -174,60 +184,85 @@ class ShardedOptimizer:
         """Bytes this rank holds of optimizer state and float32 masters (local)."""
         return sum(a.nbytes for a in self._states.values()) + sum(m.nbytes for m in self._masters.values())
 
-    def load(self, hyperparameters: Mapping[str, Any], read: Callable[[str, str, int, int], Any]) -> None:
-        """Load this rank's slices and the step counts from a checkpoint of any world size (collective).
+    # ---------------------------------------------------- the checkpoint contract
 
-        ``hyperparameters``: what :meth:`hyperparameters` returned where it
-        was saved; its kind and its groups' parameters must equal this
-        optimizer's, and its groups' hyperparameters (a scheduled ``lr``) and
-        step counts replace this optimizer's, as ``torch.optim``'s
-        ``load_state_dict`` does. ``read(state_name, head_name, lo, hi)``
-        returns that parameter's elements ``[lo, hi)`` of the state (float32,
-        1-D), for every name of :meth:`state_names` and every piece of
-        :meth:`owned` (``"master"``: 16-bit parameters only). Raises
-        ContractError on every rank, with nothing loaded, when any rank's
-        checkpoint does not match or cannot be read.
+    def describe(self) -> dict[str, Any]:
+        """The description a checkpoint keeps: :meth:`hyperparameters` and the state names (local)."""
+        return {**self.hyperparameters(), "state": list(self.state_names())}
+
+    def pieces(self, rank: int, size: int) -> list[Piece]:
+        """This rank's owned slices of every state, under ``state/<state>/<parameter>`` (local; the session's cut)."""
+        heads = self._dp.trainable
+        out = []
+        for state, by_name in self.state_pieces().items():
+            for p in self._mine:
+                if heads[p.slot] in by_name:  # a state only some parameters have ("master": 16-bit ones)
+                    out.append(Piece(state_key(state, heads[p.slot]), self._shapes[p.slot], "float32", p.a, by_name[heads[p.slot]]))
+        return out
+
+    def _runs(self) -> list[tuple[str, int, int, int]]:
+        """What a load reads, in order: ``(state, piece index, lo, hi)`` for every owned piece."""
+        return [(name, k, p.a, p.b) for k, p in enumerate(self._mine) for name in (*self._states, *(("master",) if k in self._masters else ()))]
+
+    def wants(self, description: Mapping[str, Any]) -> list[Run]:
+        """The slices this rank owns of every state of a checkpoint of this optimizer (ValueError: another optimizer)."""
+        problem = self._mismatch(description)
+        if problem is not None:
+            raise ValueError(problem)
+        heads = self._dp.trainable
+        return [Run(state_key(s, heads[self._mine[k].slot]), self._shapes[self._mine[k].slot], "float32", a, b) for s, k, a, b in self._runs()]
+
+    def prepare(self, description: Mapping[str, Any], values: Sequence[np.ndarray]) -> Callable[[], None]:
+        """Check the slices read (:meth:`wants`' order) and the step counts; the commit that loads them (ValueError: refused).
+
+        The commit writes the state, the masters, the step counts and every
+        group's hyperparameters (a scheduled ``lr``, torch's ``initial_lr``),
+        as ``torch.optim``'s ``load_state_dict`` does.
         """
-        staged: dict[str, np.ndarray] = {}
-        masters: dict[int, np.ndarray] = {}
-        steps: list[int] = []
-        try:
-            error = self._mismatch(hyperparameters)
-            if error is None:
-                steps = [int(g["step"]) for g in hyperparameters["groups"]]
-                staged, masters = self._read(read)
-        except Exception as e:  # noqa: BLE001 - this rank's error, agreed
-            error = f"{type(e).__name__}: {e}"
-        loaded = {**self.hyperparameters(), "steps": steps}
-        self._agree(None if error is None else f"load: {error}", "sharded optimizer: load", loaded)
-        for name, a in staged.items():
-            self._states[name][...] = a
-        for k, m in masters.items():
-            self._masters[k][...] = m
-        for g, n, saved in zip(self.groups, steps, hyperparameters["groups"]):
-            g.step = n
-            g.hp.update({k: tuple(v) if isinstance(v, list) else v for k, v in saved.items() if k not in ("params", "step")})
+        steps = [g.get("step") for g in description["groups"]]
+        if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in steps):
+            raise ValueError(f"the optimizer's step counts must be non-negative ints, got {steps!r}")
+        runs = self._runs()
+        if len(values) != len(runs):
+            raise ValueError(f"expected {len(runs)} slices of optimizer state, got {len(values)}")
+        heads = self._dp.trainable
+        checked = [_piece(v, b - a, s, heads[self._mine[k].slot]) for (s, k, a, b), v in zip(runs, values)]
+
+        def commit() -> None:
+            for (s, k, a, b), v in zip(runs, checked):
+                if s == "master":
+                    self._masters[k][...] = v
+                else:
+                    p = self._mine[k]
+                    self._states[s][p.offset : p.offset + b - a] = v
+            for g, n, saved in zip(self.groups, steps, description["groups"]):
+                g.step = n
+                for key, v in saved.items():
+                    if key not in ("params", "step"):
+                        g.hp[key] = tuple(v) if isinstance(v, list) else v
+
+        return commit
 
     def _mismatch(self, saved: Mapping[str, Any]) -> str | None:
-        """How a saved description differs from this optimizer's in kind or groups' parameters, or None."""
-        mine = {"kind": self.kind, "groups": [{"params": g["params"]} for g in self.hyperparameters()["groups"]]}
-        groups = saved.get("groups", [])
+        """How a saved description differs from this optimizer's (kind, groups' parameters, keys, state names), or None."""
+        groups = saved.get("groups")
+        if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups) or not isinstance(saved.get("state"), list):
+            return "the checkpoint's optimizer description has no list of groups and state names"
+        mine = {"kind": self.kind, "groups": [{"params": list(g.names)} for g in self.groups]}
         theirs = {"kind": saved.get("kind"), "groups": [{"params": g.get("params")} for g in groups]}
-        if any(set(g) - {"params", "step"} != set(m) - {"params", "step"} for g, m in zip(groups, self.hyperparameters()["groups"])):
-            return "the checkpoint's optimizer differs: its groups hold other hyperparameters"
         where = groupings.first(mine, theirs)
-        return None if where is None else f"the checkpoint's optimizer differs: {where}"
-
-    def _read(self, read: Callable[[str, str, int, int], Any]) -> tuple[dict[str, np.ndarray], dict[int, np.ndarray]]:
-        heads = self._dp.trainable
-        staged = {name: np.empty_like(a) for name, a in self._states.items()}
-        masters: dict[int, np.ndarray] = {}
-        for k, p in enumerate(self._mine):
-            for name, a in staged.items():
-                a[p.offset : p.offset + p.b - p.a] = _piece(read(name, heads[p.slot], p.a, p.b), p.b - p.a, name, heads[p.slot])
-            if k in self._masters:
-                masters[k] = _piece(read("master", heads[p.slot], p.a, p.b), p.b - p.a, "master", heads[p.slot])
-        return staged, masters
+        if where is not None:
+            return f"the checkpoint's optimizer differs: {where}"
+        assert self.rule is not None
+        lacking = [k for g in groups for k in self.rule.defaults if k not in g]
+        if lacking:
+            return f"the checkpoint's optimizer groups lack the hyperparameter {lacking[0]!r}"
+        if list(self.state_names()) != saved["state"]:
+            return (
+                f"the checkpoint's optimizer keeps the states {saved['state']}, this one {list(self.state_names())} "
+                "(amsgrad, momentum or the parameters' dtypes differ): build it as the checkpoint's was"
+            )
+        return None
 
     def _agree(self, error: str | None, operation: str, description: dict[str, Any]) -> None:
         """Agree on ``description`` (and every rank's error): ContractError on every rank where they differ (collective)."""
@@ -313,6 +348,8 @@ class ShardedOptimizer:
             why = self.rule.check(g.hp)
             if why is not None:
                 return f"group {k}: {why}"
+        if self._rule_states() != tuple(self._states):
+            return f"the optimizer was built with the states {list(self._states)}, its groups now need {list(self._rule_states())}: set amsgrad and momentum when building it"
         return None
 
     def _reduce(self, agreed: Any, present: list[bool], operation: str) -> np.ndarray:
@@ -336,9 +373,8 @@ class ShardedOptimizer:
             arrays.view(x.array).reshape(-1) if x is not None and here and agreed.weight > 0 else None
             for x, here in zip(agreed.given, present)
         ]
-        if self._device:  # the gradients down to the host, once (after torch's queued work on them)
-            cuda.wait_for_torch()
-            views = [None if v is None else arrays.to_host(v) for v in views]
+        self._place.wait()  # the gradients on the host, once
+        views = [None if v is None else self._place.down(v) for v in views]
 
         def fill(a: int, b: int, out: np.ndarray) -> None:
             for p in pieces(self.cut.begin, a, b):
@@ -390,7 +426,7 @@ class ShardedOptimizer:
                 continue
             group, master = self._group_of[p.slot], self._masters.get(k)
             flat = self._flats[p.slot]
-            values = master if master is not None else arrays.to_host(flat[p.a : p.b]) if self._device else flat[p.a : p.b]
+            values = master if master is not None else self._place.down(flat[p.a : p.b])
             # in blocks that stay in cache: the rule's temporaries of a whole slice of a large tensor
             # (an embedding) made that rank's update about 3x slower per element than the others'.
             # An element's update reads only its own values, so the blocks change no bit.
@@ -398,42 +434,25 @@ class ShardedOptimizer:
                 b = min(a + UPDATE_BLOCK, p.b - p.a)
                 state = {name: s[p.offset + a : p.offset + b] for name, s in self._states.items()}
                 self.rule.update(group.hp, group.step, values[a:b], grad[p.offset + a : p.offset + b], state)
-            if self._device:  # up to the device, in the parameter's dtype (16-bit: rounded to nearest even, as below)
-                self._staged[p.slot] = (p.a, values.astype(self._dtypes[p.slot], copy=False))
-                arrays.write_device(flat[p.a : p.b], self._staged[p.slot][1])
-            elif master is not None:
-                flat[p.a : p.b] = master  # rounded to the parameter's dtype (to nearest even)
+            self._place.updated(p.slot, p.a, values, flat[p.a : p.b], self._dtypes[p.slot], master is not None)
         return updated
 
     def _gather(self, updated: list[bool], operation: str) -> None:
         """Every owner's updated parameters into every rank's, as bytes (collective)."""
         moves.gather(self._comm, self._spans, self.cut.rank, self._chunk_bytes, self._fill, self._writer(updated), operation)
-        if self._device and self._flats:  # every copy up is done before the caller's next kernels read the parameters
-            arrays.synchronize(self._flats[0])
-            self._staged.clear()
+        self._place.done(self._flats)
 
     def _fill(self, lo: int, hi: int, out: np.ndarray) -> None:
         """This rank's parameter bytes ``[lo, hi)`` of the flat byte storage into uint8 ``out`` (16-bit: the masters as rounded)."""
         for p in pieces(self._bytes_begin, lo, hi):
-            if self._device:  # this rank's updated piece of the slot, on the host (a slot not updated: nobody writes it)
-                start, values = self._staged.get(p.slot, (0, None))
-                if values is None:
-                    out[p.offset : p.offset + p.b - p.a] = 0
-                    continue
-                at = start * values.itemsize
-                out[p.offset : p.offset + p.b - p.a] = values.view(np.uint8)[p.a - at : p.b - at]
-            else:
-                out[p.offset : p.offset + p.b - p.a] = self._flats[p.slot].view(np.uint8)[p.a : p.b]
+            got = self._place.fill(p.slot, self._flats[p.slot], p.a, p.b)
+            out[p.offset : p.offset + p.b - p.a] = 0 if got is None else got
 
     def _writer(self, updated: list[bool]) -> moves.Fill:
         def write(lo: int, hi: int, values: np.ndarray) -> None:
             for p in pieces(self._bytes_begin, lo, hi):
                 if updated[p.slot]:
-                    got, place = values[p.offset : p.offset + p.b - p.a], self._flats[p.slot].view(np.uint8)[p.a : p.b]
-                    if self._device:
-                        arrays.write_device(place, got)
-                    else:
-                        place[...] = got
+                    self._place.write(self._flats[p.slot].view(np.uint8)[p.a : p.b], values[p.offset : p.offset + p.b - p.a])
 
         return write
 

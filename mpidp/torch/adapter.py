@@ -25,6 +25,7 @@ hidden in ``forward``.
 from __future__ import annotations
 
 import numbers
+import os
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
@@ -139,8 +140,9 @@ class DataParallel:
             self._start_overlap(model, first, bucket_bytes, "auto" if overlap is True else str(overlap))
         #: every trainable head's .grad lives in the core's flat storage (or the overlap's buckets): reduced in place
         self._grads: dict[str, Any] = {} if self._overlap is not None else self._core.gradient_buffers()
+        self._marks = torch_model.Marks(self._grads)  # whether .grad still holds backward's sums (a sharded step's check)
         self._hooks: list[Any] = [] if self._overlap is not None else [
-            self._params[head].register_post_accumulate_grad_hook(torch_model.into_flat(self._grads[head]))
+            self._params[head].register_post_accumulate_grad_hook(torch_model.into_flat(self._grads[head], _marker(self._marks, head)))
             for head in self._core.trainable
         ]
 
@@ -218,6 +220,7 @@ class DataParallel:
         params = self._refresh()
         weight = _as_int(local_weight)
         out = self._core.reduce(self._gradients(params, weight), weight, policy, step=None if step is None else _as_int(step))
+        self._marks.reduced = True
         for head in self._core.trainable:
             p = params[head]
             g = out.gradients.get(head)
@@ -226,6 +229,21 @@ class DataParallel:
             elif p.grad is not g:
                 p.grad = g
         return out.global_weight
+
+    def named_parameters(self) -> dict[str, torch.nn.Parameter]:
+        """Every parameter of the module by name, tied names included, as the module holds them now (local)."""
+        return dict(self._refresh())
+
+    def step_gradients(self, local_weight: int) -> tuple[dict[str, Any], str | None]:
+        """The window's ``.grad`` by head name, for an optimizer whose step is the reduction, and this rank's error (local).
+
+        The error (None: none) says that ``.grad`` no longer holds this
+        rank's loss sums of the window: :meth:`reduce` already ran in it, or
+        something wrote ``.grad`` after backward (``clip_grad_norm_``,
+        ``scaler.unscale_``); the step raises it on every rank.
+        """
+        params = self._refresh()
+        return self._gradients(params, local_weight), self._marks.problem(params)
 
     def _gradients(self, params: dict[str, Any], weight: Any) -> dict[str, Any]:
         """Every head's ``.grad`` for the core, by head name (local)."""
@@ -310,7 +328,8 @@ class DataParallel:
         return self._core
 
     def save_checkpoint(
-        self, folder: str | Path, optimizer: Any = None, *, extras: Mapping[str, Any] | None = None, tag: str | None = None
+        self, folder: str | os.PathLike[str], optimizer: Any = None, *, extras: Mapping[str, Any] | None = None, tag: str | None = None,
+        replace: bool = False,
     ) -> Path:
         """Save the model, its buffers (root's), ``optimizer``'s state and ``extras`` into ``folder/tag`` (collective).
 
@@ -320,20 +339,24 @@ class DataParallel:
         is a ``torch.optim`` optimizer (its ``state_dict()``, under its own
         state names) or a sharded one (each rank its slices). ``extras``:
         JSON values, NumPy arrays or tensors (a data position, RNG states),
-        root's. Tag: ``window-<n>`` by default. Returns the checkpoint's
-        path; ContractError on every rank if any rank failed, the previous
-        checkpoint then untouched. Call it between windows.
+        root's. Tag: ``window-<n>`` by default (the run's windows, counted
+        on from a loaded checkpoint's); an existing tag is refused unless
+        ``replace=True``, and a replacement is crash-safe. Returns the
+        checkpoint's path; ContractError on every rank if any rank failed,
+        the previous checkpoints then untouched. Call it between windows.
         """
         with self._between():
-            return torch_checkpoint.save(self._core, self.module, self._refresh(), folder, optimizer, extras, tag)
+            return torch_checkpoint.save(self._core, self.module, self._refresh(), folder, optimizer, extras, tag, replace)
 
-    def load_checkpoint(self, where: str | Path, optimizer: Any = None) -> dict[str, Any]:
+    def load_checkpoint(self, where: str | os.PathLike[str], optimizer: Any = None) -> dict[str, Any]:
         """Load a checkpoint written at any world size into the model, its buffers and ``optimizer`` (collective).
 
         ``where``: a checkpoint, or a folder of them (its ``latest``).
-        Returns the extras (arrays as NumPy arrays). Raises ContractError on
-        every rank, with nothing modified, when the checkpoint is missing,
-        incomplete or truncated, of another model (a name, shape, dtype,
+        Every rank resolves ``where`` and the ranks agree on what they
+        resolved. Returns the extras (arrays as NumPy arrays). Raises
+        ContractError on every rank, with nothing modified, when the
+        checkpoint is missing, incomplete, truncated, damaged or mixed
+        (checksums, ids), malformed, of another model (a name, shape, dtype,
         tie or buffer differs) or of another optimizer.
         """
         with self._between():
@@ -413,6 +436,7 @@ class DataParallel:
             p = self._params[head]
             if p.grad is not None and p.grad is not self._grads[head]:
                 p.grad.zero_()
+        self._marks.mark_all()
 
     def close(self) -> None:
         """Free the communicator (collective) and stop moving ``.grad`` into flat storage. Idempotent."""
@@ -456,6 +480,11 @@ def _overlap_problem(model: torch.nn.Module, overlap: Any, bucket_bytes: Any) ->
             return f"overlap={overlap!r} reduces host (CPU) parameters only; parameter {name!r} is on {p.device}"
     return None
 
+
+
+def _marker(marks: torch_model.Marks, head: str) -> Any:
+    """What the hook of ``head`` calls after each backward: the mark of its storage."""
+    return lambda: marks.mark(head)
 
 
 def _as_int(weight: Any) -> Any:

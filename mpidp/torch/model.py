@@ -10,6 +10,7 @@ flat gradient storage (:func:`into_flat`).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -19,16 +20,60 @@ from .. import arrays, core
 from ..checks import ByteRegions
 from ..contract import Region
 
-__all__ = ["buffers", "bytes_of", "check_module", "flatten", "into_flat", "refused", "regions"]
+__all__ = ["Marks", "buffers", "bytes_of", "check_module", "flatten", "into_flat", "refused", "regions"]
 
 
-def into_flat(view: torch.Tensor) -> Any:
+class Marks:
+    """Whether every ``.grad`` in flat storage still holds what the last backward (or mpidp) left there (local).
+
+    Every backward's hook and mpidp's own writes mark the storage's version
+    counter (shared by all views of one flat tensor); any other in-place
+    write (``clip_grad_norm_``, ``scaler.unscale_``, an edit) moves it on.
+    ``reduced``: :meth:`DataParallel.reduce` wrote the window's mean there.
+    """
+
+    def __init__(self, views: Mapping[str, torch.Tensor]) -> None:
+        self._views = views
+        self._key = {h: id(v if v._base is None else v._base) for h, v in views.items()}
+        self._marks: dict[int, int] = {}
+        self.reduced = False
+        self.mark_all()
+
+    def mark(self, head: str) -> None:
+        """A backward accumulated into ``head``'s view: its storage holds backward's sums (the hook's)."""
+        self._marks[self._key[head]] = self._views[head]._version
+        self.reduced = False
+
+    def mark_all(self) -> None:
+        """mpidp wrote every view (zeroed, folded): they hold what mpidp left there."""
+        for head in self._views:
+            self.mark(head)
+
+    def problem(self, params: Mapping[str, Any]) -> str | None:
+        """Why ``.grad`` no longer holds this rank's own loss sums of the window, or None."""
+        if self.reduced:
+            return (
+                "dp.reduce and a sharded step in one window: the step is the reduction (a reduce-scatter to the owners), "
+                "so the gradients would be divided twice; call opt.step(local_weight=n) without dp.reduce"
+            )
+        for head, view in self._views.items():
+            p = params.get(head)
+            if p is not None and p.grad is view and self._marks.get(self._key[head]) != view._version:
+                return (
+                    f"the .grad of {head!r} was changed between backward and the sharded step (clip_grad_norm_, "
+                    "scaler.unscale_ or another edit): .grad holds this rank's own unreduced loss sums, so the edit "
+                    "differs on every rank; clip by the global norm with opt.step(local_weight=n, max_norm=...) instead"
+                )
+        return None
+
+
+def into_flat(view: torch.Tensor, seen: Callable[[], None] | None = None) -> Any:
     """A post-accumulate-grad hook that makes ``view`` (flat storage) the parameter's ``.grad``.
 
     Autograd accumulates into an existing ``.grad`` in place, so once a
     gradient is the view it stays there; a gradient autograd allocated anew
     (the first backward, or after ``zero_grad(set_to_none=True)``) is copied
-    in once. Sparse gradients are left as they are, and so is a gradient
+    in once; then ``seen()`` (:meth:`Marks.mark`). Sparse gradients are left as they are, and so is a gradient
     that no longer fits the view (a parameter whose ``.data`` was resized,
     cast or moved after wrapping): the hook runs inside ``backward()`` and
     never raises there; ``reduce`` names the changed parameter on every rank.
@@ -36,16 +81,15 @@ def into_flat(view: torch.Tensor) -> Any:
 
     def hook(p: torch.Tensor) -> None:
         g = p.grad
-        if g is None or g is view or g.layout != torch.strided:
-            return
-        if g.shape != view.shape or g.dtype != view.dtype or g.device != view.device:
-            return  # the model changed after wrapping: reduce refuses it on every rank
-        try:
-            with torch.no_grad():
-                view.copy_(g)
-            p.grad = view
-        except Exception:  # noqa: BLE001 - never inside backward(): reduce checks what .grad holds
-            return
+        if g is not None and g is not view and g.layout == torch.strided and (g.shape, g.dtype, g.device) == (view.shape, view.dtype, view.device):
+            try:  # else the model changed after wrapping: reduce refuses it on every rank
+                with torch.no_grad():
+                    view.copy_(g)
+                p.grad = view
+            except Exception:  # noqa: BLE001 - never inside backward(): reduce checks what .grad holds
+                return
+        if seen is not None and p.grad is view:
+            seen()
 
     return hook
 

@@ -19,32 +19,38 @@ grows the scale identically on every rank.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
-from torch.amp.grad_scaler import OptState
 
 from .. import optim as core_optim
 from ..core import MissingGradientPolicy
+from ..optim.state import OptimizerState, Piece, Run
+from . import scaling
 from .adapter import DataParallel
 
 __all__ = ["ShardedAdam", "ShardedAdamW", "ShardedOptimizer", "ShardedSGD"]
 
 
-class ShardedOptimizer(torch.optim.Optimizer):
+class ShardedOptimizer(torch.optim.Optimizer, OptimizerState):
     """A torch optimizer whose state lives in slices, one per rank (:mod:`mpidp.optim`); collective to build.
 
     ``params``: None (every trainable parameter of ``dp.module``), tensors,
     or torch param-group dicts; each tensor must be the head of a trainable
-    tie group of ``dp``. Hyperparameters as the torch optimizer's. 16-bit
-    parameters keep float32 masters on their owners. Not with
+    tie group of ``dp``. Hyperparameters as the torch optimizer's. Its
+    ``param_groups`` are the hyperparameters: every step and every save
+    reads them there (a scheduler's ``lr``), a load writes them there.
+    16-bit parameters keep float32 masters on their owners. Not with
     ``overlap`` sessions (ContractError on every rank: the buckets are not
     reduce-scattered to owners yet).
     ``torch.amp.GradScaler`` is supported (see the module's docstring);
-    its ``unscale_`` is not: ``.grad`` holds each rank's own unreduced loss
-    sums here, so clipping after it would clip every rank differently
-    (ContractError on every rank at ``step``: clip with ``max_norm``).
+    its ``unscale_`` is not, nor any other write to ``.grad`` after
+    backward, nor ``dp.reduce`` before the step: ``.grad`` holds each
+    rank's own unreduced loss sums here, so clipping them would clip every
+    rank differently (ContractError on every rank at ``step``: clip with
+    ``max_norm``). Checkpoints: ``dp.save_checkpoint(folder, opt)``.
     """
 
     _core: ClassVar[type[core_optim.ShardedOptimizer]] = core_optim.ShardedOptimizer
@@ -54,7 +60,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def __init__(self, dp: DataParallel, params: Any = None, **defaults: Any) -> None:
         rule = self._core.rule
         assert rule is not None
-        head_of = {id(dp._params[h]): h for h in dp.trainable}
+        named = dp.named_parameters()
+        head_of = {id(named[h]): h for h in dp.trainable}
         error = "a sharded optimizer does not run with overlap sessions yet; build the DataParallel without overlap" if dp.overlap else None
         try:
             super().__init__(list(dp.module.parameters()) if params is None else params, {**rule.defaults, **defaults})
@@ -63,18 +70,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 missing = [i for i, p in enumerate(g["params"]) if id(p) not in head_of]
                 if missing and error is None:
                     error = f"param group {k}: tensor {missing[0]} is not a trainable parameter of the DataParallel's module"
-                groups.append({"params": [head_of[id(p)] for p in g["params"] if id(p) in head_of], **self._hp(g)})
+                groups.append({"params": [head_of[id(p)] for p in g["params"] if id(p) in head_of], **{k: g[k] for k in rule.defaults}})
         except Exception as e:  # noqa: BLE001 - this rank's error, raised by the agreement on every rank
             error, groups = error or f"{type(e).__name__}: {e}", []
             self.param_groups = []
         self._dp = dp
-        self.sharded = self._core(dp._core, groups, adapter_error=error)
+        self.sharded = self._core(dp.session, groups, adapter_error=error, sources=self.param_groups)
+        self.kind = self.sharded.kind
         self.last: core_optim.StepResult | None = None
-
-    def _hp(self, group: dict[str, Any]) -> dict[str, Any]:
-        rule = self._core.rule
-        assert rule is not None
-        return {k: tuple(group[k]) if k == "betas" else group[k] for k in rule.defaults}
 
     @torch.no_grad()
     def step(  # type: ignore[override]
@@ -89,58 +92,56 @@ class ShardedOptimizer(torch.optim.Optimizer):
     ) -> Any:
         """Reduce ``.grad`` (of local loss sums, weight ``local_weight``) to the owners, update, gather (collective).
 
-        Replaces ``dp.reduce``: do not call both. ``max_norm`` clips by the
-        global norm as ``clip_grad_norm_`` would after a reduce; the norm and
-        the global weight are in :attr:`last`. ``.grad`` is read, not changed.
-        ``grad_scaler``: what ``scaler.step(opt, local_weight=n, ...)``
-        passes; the reduced slices are unscaled, and where any holds inf or
-        NaN every rank skips the update (``last.found_inf``) and the scaler
-        is told so, on every rank alike. Raises ContractError on every rank,
-        with parameters and state untouched, as ``dp.reduce`` does, where
-        ranks' hyperparameters or scales differ, and after ``scaler.unscale_(opt)``.
+        Replaces ``dp.reduce``: do not call both (ContractError on every
+        rank). ``max_norm`` clips by the global norm as ``clip_grad_norm_``
+        would after a reduce; the norm and the global weight are in
+        :attr:`last`. ``.grad`` is read, not changed, and must hold what
+        backward left there. ``grad_scaler``: what ``scaler.step(opt,
+        local_weight=n, ...)`` passes; the reduced slices are unscaled, and
+        where any holds inf or NaN every rank skips the update
+        (``last.found_inf``) and the scaler is told so, on every rank alike.
+        Raises ContractError on every rank, with parameters and state
+        untouched, as ``dp.reduce`` does, where ranks' hyperparameters or
+        scales differ, after ``scaler.unscale_(opt)``, ``clip_grad_norm_``
+        or another write to ``.grad``, and after ``dp.reduce``.
         """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for g, mine in zip(self.param_groups, self.sharded.groups):
-            mine.hp.update(self._hp(g))
         weight = local_weight if isinstance(local_weight, int) else int(local_weight.item())
-        scale, error = self._scaling(grad_scaler)
-        params = self._dp._refresh()
-        grads = self._dp._gradients(params, weight)
-        self.last = self.sharded.step(grads, weight, policy, step=step, max_norm=max_norm, scale=scale, adapter_error=error)
+        scale, error = scaling.scale_for(grad_scaler, self)
+        grads, problem = self._dp.step_gradients(weight)
+        self.last = self.sharded.step(grads, weight, policy, step=step, max_norm=max_norm, scale=scale, adapter_error=error or problem)
         if grad_scaler is not None:  # what update() reads: this step's agreed answer, the same on every rank
-            scale_tensor = grad_scaler._get_scale_async()
-            assert scale_tensor is not None
-            found = torch.full((), float(self.last.found_inf), dtype=torch.float32, device=scale_tensor.device)
-            grad_scaler._per_optimizer_states[id(self)]["found_inf_per_device"] = {found.device: found}
+            scaling.report(grad_scaler, self, self.last.found_inf)
         return loss
 
-    def _scaling(self, grad_scaler: torch.amp.GradScaler | None) -> tuple[float | None, str | None]:
-        """The loss scale to divide by (None: none), and this rank's error with the scaler (local)."""
-        if grad_scaler is None:
-            if hasattr(self, "grad_scale") or hasattr(self, "found_inf"):  # a GradScaler that no longer passes itself
-                return None, (
-                    "this torch's GradScaler did not pass itself to step (grad_scaler=): a sharded optimizer needs it to "
-                    "tell the scaler the inf/NaN answer every rank agreed on"
-                )
-            return None, None
-        if grad_scaler._per_optimizer_states[id(self)]["stage"] is OptState.UNSCALED:
-            return None, (
-                "scaler.unscale_(opt) is not supported with a sharded optimizer: .grad holds each rank's own, "
-                "unreduced loss sums, so clipping them would clip every rank differently; drop unscale_ and clip "
-                "by the global norm with scaler.step(opt, local_weight=n, max_norm=...)"
-            )
-        return grad_scaler.get_scale(), None
+    # ---------------------------------------------------- the checkpoint contract (mpidp.optim.state): the core's
+
+    def describe(self) -> dict[str, Any]:
+        """The core optimizer's description: kind, groups (from ``param_groups``), step counts, state names."""
+        return self.sharded.describe()
+
+    def pieces(self, rank: int, size: int) -> list[Piece]:
+        """This rank's owned slices of every state."""
+        return self.sharded.pieces(rank, size)
+
+    def wants(self, description: Mapping[str, Any]) -> list[Run]:
+        """The slices this rank owns at this world size."""
+        return self.sharded.wants(description)
+
+    def prepare(self, description: Mapping[str, Any], values: Sequence[np.ndarray]) -> Callable[[], None]:
+        """The commit that loads them, and the hyperparameters into ``param_groups``."""
+        return self.sharded.prepare(description, values)
 
     def state_dict(self) -> dict[str, Any]:
-        """Not here: a sharded state is saved by name and range (``sharded.owned()``, ``sharded.state_pieces()``)."""
-        raise NotImplementedError("save a sharded optimizer through its slices: opt.sharded.hyperparameters(), owned(), state_pieces()")
+        """Not here: a sharded state is saved by name and slice, ``dp.save_checkpoint(folder, opt)`` (any world size loads it)."""
+        raise NotImplementedError("save a sharded optimizer with dp.save_checkpoint(folder, opt): each rank writes its slices")
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Not here: ``opt.sharded.load(hyperparameters, read)`` loads a sharded state at any world size."""
-        raise NotImplementedError("load a sharded optimizer with opt.sharded.load(hyperparameters, read)")
+        """Not here: ``dp.load_checkpoint(folder, opt)`` loads a sharded state at any world size."""
+        raise NotImplementedError("load a sharded optimizer with dp.load_checkpoint(folder, opt)")
 
 
 class ShardedAdamW(ShardedOptimizer):

@@ -26,6 +26,19 @@ def digest(model: Any) -> str:
     return hashlib.sha256(b"".join(p.detach().numpy().tobytes() for _, p in sorted(model.named_parameters()))).hexdigest()
 
 
+def window(dp: Any, step: int, model: Any, lang: Language, count: int = COUNT) -> int:
+    """One exact window of ``count`` micro-batches spread over the ranks, each folded; the tokens behind this rank's sums."""
+    tokens = 0
+    mine = list(shard(count, dp.rank, dp.world_size))
+    for j, i in enumerate(mine):
+        x, y = batch(np.random.default_rng([step, i]), lang, 2, 24)
+        F.cross_entropy(model(x).view(-1, VOCAB), y.view(-1), ignore_index=IGNORE, reduction="sum").backward()
+        if j < len(mine) - 1:
+            dp.fold()
+        tokens += int((y != IGNORE).sum())
+    return tokens
+
+
 def run(comm: MPI.Comm, steps: range, save: Path | None = None, resume: Path | None = None, seed: int = 0, sharded: bool = False) -> str:
     """Train a small transformer exactly (AdamW, or mpidp's sharded one) over ``steps`` windows; save after or resume before; its hash."""
     torch.manual_seed(seed)
@@ -40,14 +53,7 @@ def run(comm: MPI.Comm, steps: range, save: Path | None = None, resume: Path | N
                 extras = dp.load_checkpoint(resume, opt)
                 assert extras["next"] == steps.start
             for step in steps:
-                tokens = 0
-                mine = list(shard(COUNT, dp.rank, dp.world_size))
-                for j, i in enumerate(mine):
-                    x, y = batch(np.random.default_rng([step, i]), lang, 2, 24)
-                    F.cross_entropy(model(x).view(-1, VOCAB), y.view(-1), ignore_index=IGNORE, reduction="sum").backward()
-                    if j < len(mine) - 1:
-                        dp.fold()
-                    tokens += int((y != IGNORE).sum())
+                tokens = window(dp, step, model, lang)
                 if sharded:
                     opt.step(local_weight=tokens)
                 else:

@@ -18,9 +18,9 @@ from mpi4py import MPI
 import mpidp
 import mpidp.optim as mo
 from mpidp import comm as mpidp_comm
+from mpidp.cut import pieces
 from mpidp.exact import shard
 from mpidp.optim import moves
-from mpidp.optim.cut import pieces
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 SIZES = {"a": 1, "b": 7, "c": 99, "d": 3001, "e": 65}  # rounds of 4096 bytes end inside elements at 3 ranks

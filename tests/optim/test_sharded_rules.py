@@ -14,7 +14,8 @@ from mpi4py import MPI
 
 import mpidp
 import mpidp.optim as mo
-from mpidp.optim import cut, norm, rules
+from mpidp import cut
+from mpidp.optim import norm, rules
 
 
 @pytest.mark.parametrize("sizes", [(1,), (7, 1, 33), (1000003,), (5, 0, 9)])

@@ -52,9 +52,11 @@ def train(comm: MPI.Comm, sharded: bool, max_norm: float | None) -> tuple[torch.
     scales, changed = [], []
     for s in range(5):
         x, y = batch(s, comm.rank)
+        bad = s == BAD_STEP and comm.rank == comm.size - 1  # an overflow in backward (.grad itself is not edited afterwards)
+        hook = next(m.parameters()).register_hook(lambda g: g.index_put((torch.tensor([0]), torch.tensor([0])), torch.tensor(torch.inf))) if bad else None
         scaler.scale(torch.nn.functional.cross_entropy(m(x), y, reduction="sum")).backward()
-        if s == BAD_STEP and comm.rank == comm.size - 1:
-            next(m.parameters()).grad[0, 0] = torch.inf
+        if hook is not None:
+            hook.remove()
         before = digest(m)
         if sharded:
             scaler.step(opt, local_weight=len(y), max_norm=max_norm)

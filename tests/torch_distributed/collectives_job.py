@@ -313,6 +313,22 @@ def errors(mg: Any) -> None:
     check("the group works after the errors", same_bits(t, torch.full((3,), float(WORLD.Get_size()))), t)
 
 
+def subgroups() -> None:
+    """Groups of ranks in any order: the odd ranks, and new_subgroups' pairs; each all-reduces its own ranks only."""
+    size = WORLD.Get_size()
+    odd = [r for r in range(size) if r % 2]
+    group = dist.new_group(odd)
+    if RANK in odd:
+        t = torch.tensor([float(RANK)])
+        dist.all_reduce(t, group=group)
+        check("a group of the odd ranks sums theirs", t.item() == sum(odd) and dist.get_rank(group) == odd.index(RANK), (t, odd))
+    pair, _ = dist.new_subgroups(2)
+    t = torch.tensor([float(RANK)])
+    dist.all_reduce(t, group=pair)
+    mine = [r for r in range(size) if r // 2 == RANK // 2]
+    check("new_subgroups: each pair sums its own", t.item() == sum(mine) and dist.get_backend(pair) == "mpidp", (t, mine))
+
+
 def quiet_barrier() -> None:
     """Wait for every rank, sleeping between polls (local MPI progress only)."""
     request = WORLD.Ibarrier()
@@ -347,6 +363,7 @@ def main() -> None:
     if RANK < 2:
         timed("DDP, FSDP2, ZeRO, DCP at 2", lambda: (ddp(*groups[2]), sharded(*groups[2])))
     quiet_barrier()
+    subgroups()
     errors(dist.group.WORLD)
     carried = dist.group.WORLD.sequence
     check("the default group carried the traffic", carried > 0, carried)

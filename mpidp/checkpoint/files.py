@@ -12,8 +12,8 @@ order, each under the key ``"<tensor>@<lo>"`` of the file of the rank that
 wrote it, in the tensor's own dtype. A reader of any world size reads only
 the runs it needs (:class:`Reader`), through safetensors' slices. Each rank
 file's metadata names the checkpoint's id and the logical tensors of its
-pieces; each file's xxh3-64 checksum is computed from the bytes written and
-kept in the manifest. Nothing a manifest or ``latest`` says can name a
+pieces; each file's xxh3-64 checksum is computed by its writer right after
+writing (from the page cache) and kept in the manifest. Nothing a manifest or ``latest`` says can name a
 file outside the checkpoint's folder: file names are checked against the
 one scheme before anything is opened (:func:`check_manifest`).
 """
@@ -32,7 +32,7 @@ import ml_dtypes
 import numpy as np
 import xxhash
 from safetensors import safe_open
-from safetensors.numpy import save
+from safetensors.numpy import save_file
 
 from ..cut import bounds, pieces, starts
 
@@ -86,16 +86,13 @@ def runs_of(lengths: list[tuple[str, int]], lo: int, hi: int) -> list[tuple[str,
 def write_rank_file(path: Path, runs: Mapping[str, np.ndarray], tensors: Mapping[str, tuple[tuple[int, ...], str]], ident: str) -> int:
     """Write one rank's runs (``{"<tensor>@<lo>": 1-D array}``), their tensors and the checkpoint id; fsync; its checksum."""
     meta = {"format": FORMAT, "id": ident, "tensors": json.dumps({k: [list(s), d] for k, (s, d) in tensors.items()})}
-    data = save({k: np.ascontiguousarray(v).reshape(-1) for k, v in runs.items()}, metadata=meta)
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    return xxhash.xxh3_64_intdigest(data) >> 1  # 63 bits: one word of an agreement
+    save_file({k: np.ascontiguousarray(v).reshape(-1) for k, v in runs.items()}, str(path), metadata=meta)
+    fsync(path)
+    return checksum_file(path)  # the bytes just written, from the page cache: no copy of the file in memory
 
 
 def checksum_file(path: Path) -> int:
-    """The checksum of a file's bytes, as :func:`write_rank_file` returns it."""
+    """The xxh3-64 checksum of a file's bytes (63 bits: one word of an agreement), as :func:`write_rank_file` returns it."""
     with open(path, "rb") as f:
         if os.fstat(f.fileno()).st_size == 0:
             return xxhash.xxh3_64_intdigest(b"") >> 1

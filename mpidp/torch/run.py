@@ -6,9 +6,9 @@ the ``"mpidp"`` backend, initializes the default process group with it and
 runs the script as ``__main__``. A later ``init_process_group`` call of the
 script (whatever backend it names) returns at once and leaves the ``"mpidp"``
 group in place, so that scripts written for torchrun run unmodified. An
-uncaught exception or a non-zero ``sys.exit`` on any rank aborts the whole
-job, as under ``python -m mpi4py``, instead of leaving the other ranks
-waiting in a collective.
+uncaught exception or a non-zero ``sys.exit`` on any rank prints its
+traceback and aborts the whole job, as under ``python -m mpi4py``, instead
+of leaving the other ranks waiting in a collective.
 """
 
 from __future__ import annotations
@@ -66,15 +66,9 @@ def main(argv: list[str] | None = None) -> None:
     """Run the script or module of ``argv`` (default ``sys.argv[1:]``) as torchrun would, over the ``"mpidp"`` backend (collective)."""
     flags, module, target, rest = _parse(list(sys.argv[1:] if argv is None else argv))
     rank = _mpi.world().rank
-    guard.install_abort_hook(rank)
-    os.environ.update(torchrun_environment())
-    if not torch.cuda.is_available():  # as `accelerate launch` does where there is no GPU: Accelerate's multi-CPU mode
-        os.environ.setdefault("ACCELERATE_USE_CPU", "true")
-    if "--no-init" not in flags:
-        dist.init_process_group(BACKEND)
-        dist.init_process_group = _keep_group(dist.init_process_group)
-    sys.argv = [target, *rest]
-    try:
+    try:  # not sys.excepthook: torch's, installed by init_process_group, holds stderr while the hooks it wraps run
+        _start(flags)
+        sys.argv = [target, *rest]
         _run(module, target)
     except SystemExit as e:
         if e.code not in (None, 0):
@@ -82,11 +76,23 @@ def main(argv: list[str] | None = None) -> None:
             sys.stderr.flush()
             _mpi.abort(e.code if isinstance(e.code, int) else 1)
         raise
+    except BaseException as e:  # noqa: BLE001 - every failure ends the job, KeyboardInterrupt too
+        guard.fatal(rank, f"mpidp.torch.run {target}", e)
     finally:
         if "--report" in flags:
             print(f"mpidp.torch.run: rank {rank}: {ProcessGroupMPIDP.carried} operations over {BACKEND!r}", flush=True)
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def _start(flags: set[str]) -> None:
+    """Set torchrun's variables from MPI and (unless ``--no-init``) make the default group over ``"mpidp"`` (collective)."""
+    os.environ.update(torchrun_environment())
+    if not torch.cuda.is_available():  # as `accelerate launch` does where there is no GPU: Accelerate's multi-CPU mode
+        os.environ.setdefault("ACCELERATE_USE_CPU", "true")
+    if "--no-init" not in flags:
+        dist.init_process_group(BACKEND)
+        dist.init_process_group = _keep_group(dist.init_process_group)
 
 
 def _run(module: str | None, target: str) -> None:

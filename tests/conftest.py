@@ -7,9 +7,9 @@ Its limit is ``MPIDP_TEST_TIMEOUT`` (300 s), or a test's ``time_limit`` mark.
 
 ``--pass NAME`` keeps the tests that pass of scripts/test is for (``PASSES``;
 docs/development.md): a test that takes ``comm`` (or ``either``) is marked
-``collective`` here; ``transport`` (the bytes MPI moves, or how), ``hosts``
-(simulated hosts only) and ``gpu`` (CuPy or its CPU stand-in) are marked by
-the test files.
+``collective`` here, one that takes ``where`` ``refusal``; ``transport``
+(the bytes MPI moves, or how), ``hosts`` (simulated hosts only) and ``gpu``
+(CuPy or its CPU stand-in) are marked by the test files.
 """
 
 from __future__ import annotations
@@ -47,13 +47,16 @@ COLLECTIVE_FIXTURES = {"comm", "either"}
 PASSES: dict[str, Callable[[set[str]], bool]] = {
     # mpiexec -n 4: what a world of several ranks changes; a test that does not take the world runs serially only
     "ranks": lambda marks: "collective" in marks,
-    # MPIR_CVAR_NOLOCAL=1 (no shared memory between ranks): what depends on how MPI moves the bytes
-    "transport": lambda marks: {"collective", "transport"} <= marks,
+    # MPIR_CVAR_NOLOCAL=1 (no shared memory between ranks): what depends on how MPI moves the bytes; a refusal
+    # (bad input on one rank or on every rank) agrees on a few small records before anything moves: it does not
+    "transport": lambda marks: {"collective", "transport"} <= marks and "refusal" not in marks,
     # tests/fakegpu, three schedules: what runs on device arrays
     "gpu": lambda marks: "gpu" in marks,
     # 2 simulated hosts over TCP (scripts/multihost.py): the transport's tests and what only hosts show
-    "hosts": lambda marks: "collective" in marks and bool({"transport", "hosts"} & marks),
+    "hosts": lambda marks: "collective" in marks and ("hosts" in marks or ("transport" in marks and "refusal" not in marks)),
 }
+#: the fixture of a refusal test: bad input on one rank, or on every rank (marked ``refusal`` here)
+REFUSAL_FIXTURES = {"where"}
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -70,6 +73,7 @@ def pytest_configure(config: pytest.Config) -> None:
     for line in (
         "collective: takes the world (comm): runs on every rank; the mpiexec -n 4 pass (set by conftest)",
         "transport: its results depend on how MPI moves bytes: the off-shared-memory and two-host passes",
+        "refusal: bad input on one rank or on every rank (takes `where`; set by conftest): not in those two passes",
         "hosts: shows what only several hosts show: the two-host pass",
         "gpu: runs on device arrays (CuPy or tests/fakegpu): the fake-GPU passes",
         "time_limit(seconds): this test's watchdog limit, for a test that starts long jobs of its own",
@@ -80,8 +84,11 @@ def pytest_configure(config: pytest.Config) -> None:
 @pytest.hookimpl(tryfirst=True)  # before -k and -m deselect: the lists hold every test of a pass
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
-        if COLLECTIVE_FIXTURES & set(getattr(item, "fixturenames", ())):
+        fixtures = set(getattr(item, "fixturenames", ()))
+        if COLLECTIVE_FIXTURES & fixtures:
             item.add_marker("collective")
+        if REFUSAL_FIXTURES & fixtures:
+            item.add_marker("refusal")
     folder = config.getoption("mpidp_list_passes")
     if folder is not None:  # scripts/test's later passes collect only these files (a test module imports torch, parses docs...)
         for name, keep in PASSES.items():

@@ -31,7 +31,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 import xxhash
-from safetensors import safe_open
+from safetensors import safe_open  # build_manifest reads headers with it
 from safetensors.numpy import save_file
 
 from ..cut import bounds, pieces, starts
@@ -285,7 +285,7 @@ class Reader:
 
     def __exit__(self, *exc: object) -> None:
         for f in self._open.values():
-            f.__exit__(None, None, None)
+            f.close()
         self._open.clear()
 
     def entry(self, tensor: str) -> Mapping[str, Any]:
@@ -293,31 +293,67 @@ class Reader:
         return self.manifest["tensors"][tensor]
 
     def read(self, tensor: str, lo: int = 0, hi: int | None = None) -> np.ndarray:
-        """Elements ``[lo, hi)`` (C order) of ``tensor``, as a new 1-D array of its dtype."""
+        """Elements ``[lo, hi)`` (C order) of ``tensor``, as a new 1-D array of its dtype, read straight into it."""
         entry = self.entry(tensor)
         if hi is None:
             hi = numel(entry["shape"])
-        for index, a, b in entry["pieces"]:  # one piece holds the whole run: safetensors' new array is the result, no copy
-            if a <= lo and hi <= b and hi > lo:
-                return np.asarray(self._file(index).get_slice(f"{tensor}@{a}")[lo - a : hi - a]).reshape(-1)
         out = np.empty(hi - lo, dtype=_DTYPES[entry["dtype"]])
         for index, a, b in entry["pieces"]:
             s, e = max(a, lo), min(b, hi)
             if s < e:
-                out[s - lo : e - lo] = self._file(index).get_slice(f"{tensor}@{a}")[s - a : e - a]
+                self._file(index).read_into(f"{tensor}@{a}", entry["dtype"], s - a, out[s - lo : e - lo])
         return out
 
-    def _file(self, index: int) -> Any:
+    def _file(self, index: int) -> _RankFile:
         if index not in self._open:
             name = self.path / self.manifest["files"][index]
-            handle = safe_open(str(name), "np")
-            f = handle.__enter__()
-            ident = (f.metadata() or {}).get("id")
-            if ident != self.manifest["id"]:
-                f.__exit__(None, None, None)
-                raise ValueError(f"{name}: belongs to checkpoint {ident!r}, the manifest is checkpoint {self.manifest['id']!r}: files of two checkpoints are mixed")
+            f = _RankFile(name)
+            if f.meta.get("id") != self.manifest["id"]:
+                f.close()
+                raise ValueError(f"{name}: belongs to checkpoint {f.meta.get('id')!r}, the manifest is checkpoint {self.manifest['id']!r}: files of two checkpoints are mixed")
             self._open[index] = f
         return self._open[index]
+
+
+#: safetensors' names of the dtypes a manifest names
+_SAFETENSORS = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "float64": "F64", "int64": "I64", "uint8": "U8"}
+
+
+class _RankFile:
+    """One rank file open for reading: its safetensors header, and runs of its pieces read straight into arrays."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._f = open(path, "rb")  # noqa: SIM115 - closed by the Reader
+        try:
+            n = int.from_bytes(self._f.read(8), "little")
+            size = os.fstat(self._f.fileno()).st_size
+            if not 2 <= n <= size - 8:
+                raise ValueError(f"{path}: not a safetensors file (header of {n} bytes in {size})")
+            header = json.loads(self._f.read(n))
+            self.meta = header.pop("__metadata__", None) or {}
+        except (OSError, ValueError) as e:
+            self._f.close()
+            raise ValueError(f"{path}: unreadable header ({e})") from None
+        self._entries = header
+        self._base, self._size = 8 + n, size
+
+    def read_into(self, key: str, dtype: str, start: int, out: np.ndarray) -> None:
+        """Elements ``[start, start + out.size)`` of piece ``key`` (of ``dtype``) into contiguous ``out``."""
+        e = self._entries.get(key)
+        if not isinstance(e, dict) or e.get("dtype") != _SAFETENSORS[dtype]:
+            raise ValueError(f"{self.path}: holds no {dtype} piece {key!r}")
+        lo, hi = e["data_offsets"]
+        at = self._base + lo + start * out.itemsize
+        if at + out.nbytes > min(self._base + hi, self._size):
+            raise ValueError(f"{self.path}: piece {key!r} ends before element {start + out.size}")
+        self._f.seek(at)
+        if self._f.readinto(out.view(np.uint8).data) != out.nbytes:
+            raise ValueError(f"{self.path}: truncated in piece {key!r}")
+
+    def close(self) -> None:
+        """Close the file."""
+        self._f.close()
 
 
 def consolidate(path: str | os.PathLike[str]) -> dict[str, np.ndarray]:

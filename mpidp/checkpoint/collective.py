@@ -243,7 +243,7 @@ def load_state(session: Any, where: str | os.PathLike[str], plan: Callable[[Mapp
             error = files.verify(path, manifest, range(session.rank, manifest["world_size"], session.world_size))  # this rank's share
         if error is None:
             with files.Reader(path, manifest) as reader:
-                out = [reader.read(w.key, w.lo, w.hi) for w in wants]
+                out = [reader.read(w.key, w.lo, w.hi, w.out) for w in wants]
     except ValueError as e:
         error = str(e)
     except Exception as e:  # noqa: BLE001 - a file the manifest said was whole, yet unreadable: every rank raises

@@ -292,12 +292,15 @@ class Reader:
         """The manifest's entry of ``tensor`` (shape, dtype, pieces); KeyError if it holds none."""
         return self.manifest["tensors"][tensor]
 
-    def read(self, tensor: str, lo: int = 0, hi: int | None = None) -> np.ndarray:
-        """Elements ``[lo, hi)`` (C order) of ``tensor``, as a new 1-D array of its dtype, read straight into it."""
+    def read(self, tensor: str, lo: int = 0, hi: int | None = None, out: np.ndarray | None = None) -> np.ndarray:
+        """Elements ``[lo, hi)`` (C order) of ``tensor``, read straight into ``out`` (1-D, contiguous) or a new array."""
         entry = self.entry(tensor)
         if hi is None:
             hi = numel(entry["shape"])
-        out = np.empty(hi - lo, dtype=_DTYPES[entry["dtype"]])
+        if out is None:
+            out = np.empty(hi - lo, dtype=_DTYPES[entry["dtype"]])
+        elif out.shape != (hi - lo,) or out.dtype != _DTYPES[entry["dtype"]] or not out.flags["C_CONTIGUOUS"]:
+            raise ValueError(f"{tensor}: cannot read {hi - lo} {entry['dtype']} values into {out.dtype}{list(out.shape)}")
         for index, a, b in entry["pieces"]:
             s, e = max(a, lo), min(b, hi)
             if s < e:

@@ -115,6 +115,7 @@ class ShardedOptimizer(OptimizerState):
         self._masters = self._make_masters()
         self._grad: np.ndarray | None = None  # this rank's gradient slice (float path), made on the first step
         self._whole: np.ndarray | None = None  # the whole flat gradient (exact path)
+        self._incoming: tuple[dict[str, np.ndarray], dict[int, np.ndarray]] = ({}, {})  # a load's state, read by wants' runs
 
     def refusal(self) -> str:
         """Why this optimizer is refused (it is not elementwise): the message every rank raises."""
@@ -210,7 +211,14 @@ class ShardedOptimizer(OptimizerState):
         if problem is not None:
             raise ValueError(problem)
         heads = self._dp.trainable
-        return [Run(state_key(s, heads[self._mine[k].slot]), self._shapes[self._mine[k].slot], "float32", a, b) for s, k, a, b in self._runs()]
+        # read straight into new state arrays, which the commit puts in place of the old ones (no copy)
+        self._incoming = ({s: np.empty_like(a) for s, a in self._states.items()}, {k: np.empty_like(m) for k, m in self._masters.items()})
+        states, masters = self._incoming
+        return [
+            Run(state_key(s, heads[self._mine[k].slot]), self._shapes[self._mine[k].slot], "float32", a, b,
+                masters[k] if s == "master" else states[s][self._mine[k].offset : self._mine[k].offset + b - a])
+            for s, k, a, b in self._runs()
+        ]
 
     def prepare(self, description: Mapping[str, Any], values: Sequence[np.ndarray]) -> Callable[[], None]:
         """Check the slices read (:meth:`wants`' order) and the step counts; the commit that loads them (ValueError: refused).
@@ -227,14 +235,17 @@ class ShardedOptimizer(OptimizerState):
             raise ValueError(f"expected {len(runs)} slices of optimizer state, got {len(values)}")
         heads = self._dp.trainable
         checked = [_piece(v, b - a, s, heads[self._mine[k].slot]) for (s, k, a, b), v in zip(runs, values)]
+        if set(self._incoming[0]) != set(self._states):  # prepare without wants first: new arrays here
+            self._incoming = ({s: np.empty_like(a) for s, a in self._states.items()}, {k: np.empty_like(m) for k, m in self._masters.items()})
+        states, masters = self._incoming
+        for (s, k, a, b), v in zip(runs, checked):  # values read elsewhere than wants' arrays: into them
+            into = masters[k] if s == "master" else states[s][self._mine[k].offset : self._mine[k].offset + b - a]
+            if not np.shares_memory(into, v):
+                into[...] = v
 
         def commit() -> None:
-            for (s, k, a, b), v in zip(runs, checked):
-                if s == "master":
-                    self._masters[k][...] = v
-                else:
-                    p = self._mine[k]
-                    self._states[s][p.offset : p.offset + b - a] = v
+            self._states.update(states)
+            self._masters.update(masters)
             for g, n, saved in zip(self.groups, steps, description["groups"]):
                 g.step = n
                 for key, v in saved.items():

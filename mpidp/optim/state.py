@@ -52,6 +52,7 @@ class Run(NamedTuple):
     dtype: str
     lo: int
     hi: int
+    out: np.ndarray | None = None  # where to read it (1-D, contiguous, hi - lo elements of dtype); None: a new array
 
 
 def state_key(state: str, parameter: str) -> str:

@@ -44,10 +44,10 @@ class TorchOptimizerState(OptimizerState):
         self._groups = [[head_of[id(p)] for p in g["params"]] for g in optimizer.param_groups]
         self._order = [n for names in self._groups for n in names]
 
-    def _tensors(self) -> dict[tuple[str, str], torch.Tensor]:
-        """The state tensors shaped like their parameter, by (state, parameter)."""
+    def _tensors(self, sd: Mapping[str, Any]) -> dict[tuple[str, str], torch.Tensor]:
+        """The state tensors of ``sd`` (its ``state_dict()``) shaped like their parameter, by (state, parameter)."""
         out = {}
-        for index, values in self.optimizer.state_dict()["state"].items():
+        for index, values in sd["state"].items():
             name = self._order[index]
             for key, v in values.items():
                 if isinstance(v, torch.Tensor) and v.shape == self.params[name].shape and v.dim() > 0:
@@ -58,7 +58,7 @@ class TorchOptimizerState(OptimizerState):
         """Param groups by parameter name, the scalar state (``step``), which state tensors exist (local)."""
         sd = self.optimizer.state_dict()
         groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [self._order[i] for i in g["params"]]} for g in sd["param_groups"]]
-        tensors = self._tensors()
+        tensors = self._tensors(sd)
         scalars: dict[str, dict[str, Any]] = {}
         for index, values in sd["state"].items():
             for key, v in values.items():
@@ -71,8 +71,9 @@ class TorchOptimizerState(OptimizerState):
 
     def pieces(self, rank: int, size: int) -> list[Piece]:
         """This rank's share of the state tensors (float32), laid end to end and cut like the parameters."""
-        tensors = {state_key(k, n): v.detach().to("cpu", torch.float32).reshape(-1).numpy() for (k, n), v in sorted(self._tensors().items())}
-        shapes = {state_key(k, n): tuple(self.params[n].shape) for (k, n) in self._tensors()}
+        found = sorted(self._tensors(self.optimizer.state_dict()).items())
+        tensors = {state_key(k, n): v.detach().to("cpu", torch.float32).reshape(-1).numpy() for (k, n), v in found}
+        shapes = {state_key(k, n): tuple(self.params[n].shape) for (k, n), _ in found}
         return state.shares(tensors, shapes, rank, size, lambda key: key)
 
     def wants(self, description: Mapping[str, Any]) -> list[Run]:

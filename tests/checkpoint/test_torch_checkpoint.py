@@ -39,6 +39,15 @@ def window(dp: Any, step: int, model: Any, lang: Language, count: int = COUNT) -
     return tokens
 
 
+def step(dp: Any, opt: Any, tokens: int, sharded: bool) -> None:
+    """The window's step: a sharded optimizer's step is the reduction; a torch one follows dp.reduce."""
+    if sharded:
+        opt.step(local_weight=tokens)
+    else:
+        dp.reduce(local_weight=tokens)
+        opt.step()
+
+
 def run(comm: MPI.Comm, steps: range, save: Path | None = None, resume: Path | None = None, seed: int = 0, sharded: bool = False) -> str:
     """Train a small transformer exactly (AdamW, or mpidp's sharded one) over ``steps`` windows; save after or resume before; its hash."""
     torch.manual_seed(seed)
@@ -52,13 +61,8 @@ def run(comm: MPI.Comm, steps: range, save: Path | None = None, resume: Path | N
             if resume is not None:
                 extras = dp.load_checkpoint(resume, opt)
                 assert extras["next"] == steps.start
-            for step in steps:
-                tokens = window(dp, step, model, lang)
-                if sharded:
-                    opt.step(local_weight=tokens)
-                else:
-                    dp.reduce(local_weight=tokens)
-                    opt.step()
+            for s in steps:
+                step(dp, opt, window(dp, s, model, lang), sharded)
                 dp.zero_grad()
             if save is not None:
                 dp.save_checkpoint(save, opt, extras={"next": steps.stop, "rng": torch.get_rng_state()})

@@ -24,6 +24,7 @@ from mpi4py import MPI
 
 torch = pytest.importorskip("torch")
 
+from test_torch_checkpoint import step as window_step
 from test_torch_checkpoint import window
 
 import mpidp.torch
@@ -63,13 +64,8 @@ def scheduled(comm: MPI.Comm, steps: range, sharded: bool, save: Path | None = N
                 extras = dp.load_checkpoint(resume, opt)
                 sched.load_state_dict(extras["scheduler"])
                 assert extras["next"] == steps.start
-            for step in steps:
-                tokens = window(dp, step, model, lang, COUNT)
-                if sharded:
-                    opt.step(local_weight=tokens)
-                else:
-                    dp.reduce(local_weight=tokens)
-                    opt.step()
+            for s in steps:
+                window_step(dp, opt, window(dp, s, model, lang, COUNT), sharded)
                 sched.step()
                 dp.zero_grad()
             if save is not None:

@@ -31,11 +31,14 @@ FLOORS = {
     "torch.adapter": 8,
     "torch.optim": 8.2,
     "torch": 8.5,
+    "lightning.collectives": 8.6, "lightning.checkpoints": 8.6, "lightning.window": 8.7,
+    "lightning.trainer": 8.8, "lightning.fabric": 8.8,
+    "lightning": 8.9,
     "__init__": 9,
 }
 #: the wings (packages) above the core's rooms, lowest first: a wing imports the core and the wings below it only,
 #: and the core's rooms import no wing but the exact sums (``exact``: the arithmetic of ``exact=True`` sessions)
-WINGS = ("exact", "overlap", "optim", "checkpoint", "torch")
+WINGS = ("exact", "overlap", "optim", "checkpoint", "torch", "lightning")
 
 
 def path(name: str) -> Path:
@@ -110,9 +113,16 @@ def test_only_comm_and_the_device_room_speak_mpi(name: str) -> None:
 @pytest.mark.parametrize("name", sorted(FLOORS))
 def test_only_the_torch_package_imports_torch(name: str) -> None:
     # the device room's select_device also makes PyTorch's device current, whether or not torch is imported yet;
-    # elsewhere a torch array handed in is reached through sys.modules
+    # elsewhere a torch array handed in is reached through sys.modules; the Lightning wing stands over the torch one
     outside, _ = imports(name)
-    assert "torch" not in outside or wing(name) == "torch" or name == "cuda", f"mpidp.{name} imports torch"
+    assert "torch" not in outside or wing(name) in ("torch", "lightning") or name == "cuda", f"mpidp.{name} imports torch"
+
+
+@pytest.mark.parametrize("name", sorted(FLOORS))
+def test_only_the_lightning_package_imports_lightning(name: str) -> None:
+    # the Lightning integration stands over the torch adapter (mpidp.lightning): nothing below it needs Lightning
+    outside, _ = imports(name)
+    assert not outside & {"lightning", "lightning_utilities", "pytorch_lightning"} or wing(name) == "lightning", f"mpidp.{name} imports Lightning"
 
 
 def test_comm_knows_no_device_framework() -> None:

@@ -130,7 +130,8 @@ class MPIDPStrategy(ParallelStrategy):
         if self.sharded and scaled:
             return "sharded=True with precision='16-mixed' is not supported: its GradScaler unscales .grad before the step; use bf16-mixed"
         if self.sharded and trainer.gradient_clip_val and trainer.gradient_clip_algorithm not in (None, "norm"):
-            return f"sharded=True clips by the global norm only (gradient_clip_algorithm='norm'), got {trainer.gradient_clip_algorithm!r}"
+            algorithm = getattr(trainer.gradient_clip_algorithm, "value", trainer.gradient_clip_algorithm)
+            return f"sharded=True clips by the global norm only (gradient_clip_algorithm='norm'), got {algorithm!r}"
         if self.exact and self.root_device.type != "cpu":
             return f"exact=True needs CPU parameters; this rank's device is {self.root_device}"
         return None

@@ -84,8 +84,8 @@ def convert_optimizer(dp: DataParallel, comm: Communicator, optimizers: list[Any
     if len(optimizers) != 1:
         error = f"sharded=True needs exactly one optimizer from configure_optimizers, got {len(optimizers)}"
     elif type(optimizers[0]) not in classes:
-        error = (f"sharded=True converts torch.optim.AdamW, Adam or SGD; configure_optimizers returned {type(optimizers[0]).__qualname__} "
-                 "(an optimizer that reads whole tensors cannot be sharded by slices; use sharded=False)")
+        error = (f"sharded=True converts torch.optim.AdamW, Adam or SGD (mpidp's sharded optimizers); configure_optimizers returned "
+                 f"{type(optimizers[0]).__qualname__}: use one of those three, or sharded=False")
     agree(comm, error, "the sharded optimizer")
     old = optimizers[0]
     return classes[type(old)](dp, old.param_groups)

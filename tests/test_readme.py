@@ -61,7 +61,7 @@ PENDING = {
     "benchmarks/bench.py": "the benchmarks are not committed yet",
 }
 #: modules whose public names (``__all__``) the API table must cover
-API_MODULES = ("mpidp", "mpidp.torch", "mpidp.cuda", "mpidp.launch", "mpidp.checkpoint")
+API_MODULES = ("mpidp", "mpidp.torch", "mpidp.cuda", "mpidp.launch", "mpidp.checkpoint", "mpidp.lightning")
 KNOWN_TAGS = {"run", "mpiexec", "torchrun", "name", "after", "requires", "output", "commands"}
 LAUNCHERS = ("run", "mpiexec", "torchrun")
 #: environment variables of launchers and batch systems, removed from the environment of the blocks

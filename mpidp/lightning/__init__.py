@@ -8,7 +8,8 @@ Needs the ``lightning`` extra (``pip install "mpidp[lightning]"``); docs/lightni
 """
 
 from .collectives import MPIDPEnvironment
+from .fabric import MPIDPFabricStrategy
 from .trainer import MPIDPStrategy
 from .window import WEIGHT
 
-__all__ = ["WEIGHT", "MPIDPEnvironment", "MPIDPStrategy"]
+__all__ = ["WEIGHT", "MPIDPEnvironment", "MPIDPFabricStrategy", "MPIDPStrategy"]

@@ -32,8 +32,8 @@ class MPIDPEnvironment(ClusterEnvironment):
     """Lightning's cluster environment of an MPI job: rank and world size of ``comm`` (default ``COMM_WORLD``).
 
     Local to build: rank and size come from the communicator at once; the
-    local and node ranks are learnt by :meth:`learn_hosts` (collective),
-    which the strategies call in ``setup_environment``. The processes are
+    local and node ranks from :meth:`learn_hosts`, which the strategies call
+    in ``setup_environment``. The processes are
     made by the launcher (``mpiexec``, ``srun``), never by Lightning.
     """
 

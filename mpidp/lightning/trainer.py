@@ -53,8 +53,6 @@ class MPIDPStrategy(ParallelStrategy):
     setup, on every rank, with one ContractError naming them.
     """
 
-    strategy_name = "mpidp"
-
     def __init__(
         self, comm: MPIComm | None = None, *, exact: bool = False, sharded: bool = False, timeout: float | None = None,
         accelerator: Any = None, parallel_devices: list[torch.device] | None = None, checkpoint_io: Any = None,
@@ -112,7 +110,7 @@ class MPIDPStrategy(ParallelStrategy):
         module = self.lightning_module
         assert module is not None
         if self.dp is None or self.dp.module is not module:
-            self.close_session()
+            self._close_session()
             self.dp = DataParallel(module, self.comm, exact=self.exact, timeout=self.timeout, name="lightning")
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
@@ -244,7 +242,7 @@ class MPIDPStrategy(ParallelStrategy):
 
     # ------------------------------------------------------------------ the end
 
-    def close_session(self) -> None:
+    def _close_session(self) -> None:
         """Close the DataParallel (collective); the next setup builds a new one. Trainer.save_checkpoint needs it open."""
         if self.dp is not None:
             self.dp.close()
@@ -252,7 +250,7 @@ class MPIDPStrategy(ParallelStrategy):
 
     def close(self) -> None:
         """Close the DataParallel and free the strategy's communicator (collective); call it when done with the Trainer."""
-        self.close_session()
+        self._close_session()
         if self._collectives is not None:
             self._collectives.close()
             self._collectives = self._mpi = None

@@ -67,6 +67,7 @@ class MPIDPStrategy(ParallelStrategy):
         self.dp: DataParallel | None = None
         self._window = Window()
         self._clip: float | None = None
+        self._scale = 1  # what the window's loss sums are multiplied by before backward: Lightning divided them by it
 
     # ------------------------------------------------------------------ the ranks
 
@@ -164,7 +165,7 @@ class MPIDPStrategy(ParallelStrategy):
         return out
 
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
-        if getattr(self, "_scale", 1) > 1:  # (sum / k) * k: backward sends exactly 1.0 into the sum, as sum.backward() does
+        if self._scale > 1:  # (sum / k) * k: backward sends exactly 1.0 into the sum, as sum.backward() does
             closure_loss = closure_loss * self._scale
         return super().backward(closure_loss, optimizer, *args, **kwargs)
 

@@ -108,6 +108,31 @@ def window(kind: str, comm: MPI.Comm, clip: float | None = 0.05) -> dict[str, An
     return {"steps": run.global_step, "distance": distance(net, reference(kind, comm.size, 2, 2, clip)), "world": run.world_size}
 
 
+class Manual(Net):
+    """Manual optimization: a mean loss, manual_backward, one replicated optimizer stepped by hand."""
+
+    def __init__(self) -> None:
+        super().__init__("mean")
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, _: int) -> None:
+        opt = self.optimizers()
+        x, y = batch[0][0], batch[1][0]
+        self.manual_backward(F.cross_entropy(self.net(x), y.clamp(min=0)))
+        opt.step()
+        opt.zero_grad()
+
+
+def manual(comm: MPI.Comm) -> dict[str, Any]:
+    """Manual optimization with a replicated AdamW: each opt.step() reduces a mean, as DDP."""
+    net = Manual()
+    strategy = MPIDPStrategy(comm)
+    run = trainer(strategy, 3, 1)
+    run.fit(net, data(comm.rank, comm.size, 3))
+    strategy.close()
+    return {"steps": run.global_step, "distance": distance(net, reference("mean", comm.size, 3, 1, None))}
+
+
 def ddp(comm: MPI.Comm) -> dict[str, Any]:
     """DDPStrategy over gloo on the world (Lightning's MPIEnvironment): the parameters, to compare with the mean run's."""
     import torch.distributed as dist
@@ -234,6 +259,42 @@ def checkpoints(comm: MPI.Comm, folder: str, resume: bool) -> dict[str, Any]:
             "digest": example.digest(net), "rank files": len(list((Path(folder) / "epoch=0.ckpt").glob("rank-*")))}
 
 
+def fabric(comm: MPI.Comm, folder: str) -> dict[str, Any]:
+    """MPIDPFabricStrategy: fabric.backward(loss_sum, weight=n), clip, step; replicated and sharded; save and load."""
+    from lightning.fabric import Fabric
+
+    from mpidp.lightning import MPIDPFabricStrategy
+
+    out: dict[str, Any] = {}
+    nets = {}
+    for shard in (False, True):
+        strategy = MPIDPFabricStrategy(comm, sharded=shard)
+        f = Fabric(strategy=strategy, accelerator="cpu", devices=1)
+        f.launch()
+        net = Net("sum")
+        model, opt = f.setup(net.net, net.configure_optimizers())
+        for w in range(2):
+            for j in range(2):
+                x, y = tokens(comm.rank, 2 * w + j, comm.size)
+                f.backward(F.cross_entropy(model(x), y, ignore_index=-100, reduction="sum"), weight=int((y != -100).sum()))
+            f.clip_gradients(model, opt, max_norm=0.05)
+            opt.step()
+            opt.zero_grad()
+        nets[shard] = net
+        out[f"distance sharded={shard}"] = distance(net, reference("sum", comm.size, 2, 2, 0.05))
+        f.save(str(Path(folder) / f"sharded-{shard}"), {"model": model, "optimizer": opt, "windows": 2})
+        before = example.digest(net)
+        with torch.no_grad():
+            for p in net.parameters():
+                p.zero_()
+        state = {"model": model, "optimizer": opt, "windows": 0}
+        rest = f.load(str(Path(folder) / f"sharded-{shard}"), state)
+        out[f"loaded sharded={shard}"] = [example.digest(net) == before, state["windows"], sorted(rest)]
+        out["world"] = f.world_size
+        strategy.close()
+    return out
+
+
 def main(argv: list[str], comm: MPI.Comm | None = None) -> str:
     """Run scenario ``argv[0]`` on ``comm`` (the world by default); its findings as JSON text, the same on every rank."""
     comm = MPI.COMM_WORLD if comm is None else comm
@@ -245,9 +306,9 @@ def main(argv: list[str], comm: MPI.Comm | None = None) -> str:
     if name == "example":
         return example.main(rest, comm)
     runs = {
-        "sum": lambda: window("sum", comm), "mean": lambda: window("mean", comm), "ddp": lambda: ddp(comm),
+        "sum": lambda: window("sum", comm), "mean": lambda: window("mean", comm), "manual": lambda: manual(comm), "ddp": lambda: ddp(comm),
         "mean-params": lambda: mean_params(comm), "sharded": lambda: sharded(comm), "refused": lambda: refused(comm),
         "collectives": lambda: collectives(comm), "save": lambda: checkpoints(comm, rest[0], False),
-        "resume": lambda: checkpoints(comm, rest[0], True),
+        "resume": lambda: checkpoints(comm, rest[0], True), "fabric": lambda: fabric(comm, rest[0]),
     }
     return json.dumps(runs[name](), sort_keys=True)

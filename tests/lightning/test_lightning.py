@@ -34,6 +34,7 @@ PLAN: list[tuple[Any, int, list[str]]] = [
     ("float32", 2, ["example", "--steps", "3"]),
     *((("sum", n), n, ["sum"]) for n in (1, 3, 4)),
     ("mean", 2, ["mean"]),
+    ("manual", 3, ["manual"]),
     ("ddp", 4, ["ddp"]),
     ("mean-params", 4, ["mean-params"]),
     ("sharded-optimizer", 3, ["sharded"]),
@@ -41,6 +42,7 @@ PLAN: list[tuple[Any, int, list[str]]] = [
     *((("collectives", n), n, ["collectives"]) for n in (1, 4)),
     ("save", 4, ["save", "model-ckpt"]),
     ("resume", 2, ["resume", "model-ckpt"]),
+    ("fabric", 3, ["fabric", "fabric-ckpt"]),
 ]
 Runs = dict[Any, Any]
 
@@ -93,6 +95,7 @@ def test_a_mean_loss_behaves_as_under_ddp(runs: tuple[Runs, Path]) -> None:
     """Against one process (the mean of the ranks' means, clipped) and against DDPStrategy over gloo at 4 ranks."""
     done, _ = runs
     assert done["mean"]["distance"] < 1e-6 and done["mean"]["steps"] == 2
+    assert done["manual"]["distance"] < 1e-6 and done["manual"]["steps"] == 3  # manual optimization, a replicated AdamW
     ddp, ours = done["ddp"]["params"], done["mean-params"]["params"]
     assert len(ddp) == len(ours) == 197 and done["ddp"]["steps"] == 2
     assert max(abs(a - b) for a, b in zip(ddp, ours)) <= 2e-5, (ddp, ours)
@@ -134,3 +137,12 @@ def test_model_checkpoint_resumes_at_another_world_size_with_lightning_s_state(r
     assert (resumed["epoch"], resumed["steps"], resumed["batches"], resumed["scheduler epoch"]) == (3, 6, 6, 3)
     assert resumed["lr"] == 0.05 * 0.5**3 and "epoch=2.ckpt" in resumed["files"]
     assert checkpoint.latest(folder / "model-ckpt") is not None
+
+
+def test_fabric_strategy_gives_the_token_mean_clips_and_saves(runs: tuple[Runs, Path]) -> None:
+    """fabric.backward(loss_sum, weight=n) over uneven ranks, clip_gradients, step; replicated and sharded; save, zero, load."""
+    found = runs[0]["fabric"]
+    assert found["world"] == 3
+    for shard in (False, True):
+        assert found[f"distance sharded={shard}"] < 1e-6, found
+        assert found[f"loaded sharded={shard}"] == [True, 2, []], found  # the parameters back, "windows" restored in place

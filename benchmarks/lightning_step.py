@@ -14,6 +14,7 @@ thread per rank:
 
 * ``mpidp``: ``MPIDPStrategy()`` (the reduction after backward, before the step);
 * ``mpidp_sharded``: ``MPIDPStrategy(sharded=True)`` (the AdamW becomes mpidp's sharded one);
+* ``mpidp_thread``: ``MPIDPStrategy(overlap="thread")`` (a communication thread sums buckets during backward);
 * ``ddp_gloo``: ``DDPStrategy(process_group_backend="gloo")`` with Lightning's own
   ``MPIEnvironment`` (ranks from MPI; DDP's 25 MiB buckets reduced during backward).
 
@@ -39,7 +40,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-VARIANTS = ("mpidp", "ddp_gloo", "mpidp_sharded")
+VARIANTS = ("mpidp", "ddp_gloo", "mpidp_sharded", "mpidp_thread")
 
 
 def step_job(variant: str, steps: int, warmup: int) -> dict[str, Any]:
@@ -82,7 +83,7 @@ def step_job(variant: str, steps: int, warmup: int) -> dict[str, Any]:
     if variant == "ddp_gloo":
         strategy: Any = DDPStrategy(process_group_backend="gloo", cluster_environment=MPIEnvironment())
     else:
-        strategy = MPIDPStrategy(sharded=variant == "mpidp_sharded")
+        strategy = MPIDPStrategy(sharded=variant == "mpidp_sharded", overlap="thread" if variant == "mpidp_thread" else False)
     g = torch.Generator().manual_seed(MPI.COMM_WORLD.Get_rank())
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randint(0, 32000, (warmup + steps, 32), generator=g)), batch_size=1)
     clock, model = Clock(), GPT()

@@ -1,6 +1,6 @@
 """A LightningModule language model trained by ``lightning.pytorch.Trainer`` with ``MPIDPStrategy``: the same bits at any world size.
 
-Run: ``mpiexec -n N python -m mpi4py -m mpidp.examples.lightning [--steps K] [--exact] [--sharded] [--precision P] [--save DIR --stop-after K] [--resume DIR]``
+Run: ``mpiexec -n N python -m mpi4py -m mpidp.examples.lightning [--steps K] [--exact] [--sharded] [--overlap thread] [--precision P] [--save DIR --stop-after K] [--resume DIR]``
 
 The small transformer and made-up sentences of :mod:`mpidp.examples.charlm`
 as a LightningModule. Every epoch is one optimizer step over 12
@@ -17,7 +17,8 @@ embeddings, a StepLR schedule, the global gradient norm clipped to 1.0
 
 With ``--exact`` (``MPIDPStrategy(exact=True)``) each micro-batch is folded
 into the window's exact sums, and the hash is the same at 1, 2, 3 or 4 ranks
-(with ``--precision bf16-mixed`` too, and ``--sharded``: the optimizer state
+(with ``--precision bf16-mixed`` too, ``--overlap thread``: the reduction
+during the window's last backward, and ``--sharded``: the optimizer state
 in slices, one per rank). ``--save DIR --stop-after K`` stops after K steps
 and saves ``DIR/step-K`` (``trainer.save_checkpoint``: every rank writes its
 slices; Lightning's loops and scheduler go with them); ``--resume DIR`` goes
@@ -98,6 +99,7 @@ def arguments(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=6, help="optimizer steps (epochs of 12 micro-batches) in all, a resumed run's included")
     parser.add_argument("--exact", action="store_true", help="MPIDPStrategy(exact=True): the same bits at any world size")
     parser.add_argument("--sharded", action="store_true", help="MPIDPStrategy(sharded=True): AdamW's state in slices, one per rank")
+    parser.add_argument("--overlap", default="", choices=("", "thread", "hooks"), help="MPIDPStrategy(overlap=...): reduce during backward")
     parser.add_argument("--precision", default="32-true", help="the Trainer's precision: 32-true, bf16-mixed, ...")
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--weight-decay", type=float, default=0.1)
@@ -125,7 +127,7 @@ def main(argv: list[str] | None = None, comm: MPI.Comm | None = None) -> str:
     torch.set_num_threads(1)  # one thread: the same kernels on every rank, at every world size
     torch.manual_seed(args.seed)
     module = CharModule(args)
-    strategy = MPIDPStrategy(comm, exact=args.exact, sharded=args.sharded)
+    strategy = MPIDPStrategy(comm, exact=args.exact, sharded=args.sharded, overlap=args.overlap or False)
     epochs = args.steps if args.stop_after is None else min(args.steps, args.stop_after)
     run = trainer(strategy, comm.size, epochs, args)
     data = DataLoader(TensorDataset(torch.arange(MICRO_BATCHES)), batch_size=1)  # the distributed sampler gives each rank 12 / N of them

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Generator
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -48,19 +49,22 @@ class MPIDPStrategy(ParallelStrategy):
     the mpi4py communicator of the ranks (default ``COMM_WORLD``).
     ``exact=True``: the same bits at any world size (CPU parameters; fold
     every micro-batch). ``sharded=True``: the optimizer state in slices, one
-    per rank. ``timeout``: seconds one collective may wait (None:
+    per rank. ``overlap``: the DataParallel's (``True``, ``"thread"``,
+    ``"hooks"``: the reduction starts during the window's last backward;
+    not with ``sharded``). ``timeout``: seconds one collective may wait (None:
     ``MPIDP_TIMEOUT``). Other keywords are DDPStrategy's and are refused at
     setup, on every rank, with one ContractError naming them.
     """
 
     def __init__(
-        self, comm: MPIComm | None = None, *, exact: bool = False, sharded: bool = False, timeout: float | None = None,
-        accelerator: Any = None, parallel_devices: list[torch.device] | None = None, checkpoint_io: Any = None,
-        precision_plugin: Precision | None = None, **ddp_options: Any,
+        self, comm: MPIComm | None = None, *, exact: bool = False, sharded: bool = False, overlap: bool | str = False,
+        timeout: float | None = None, accelerator: Any = None, parallel_devices: list[torch.device] | None = None,
+        checkpoint_io: Any = None, precision_plugin: Precision | None = None, **ddp_options: Any,
     ) -> None:
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=MPIDPEnvironment(comm),
                          checkpoint_io=checkpoint_io, precision_plugin=precision_plugin)
-        self.comm, self.exact, self.sharded, self.timeout = comm, exact, sharded, timeout
+        self.comm, self.exact, self.sharded, self.overlap, self.timeout = comm, exact, sharded, overlap, timeout
+        self._blocked = False  # inside Lightning's block_backward_sync: a micro-batch of a window but its last
         self._refused = sorted(ddp_options)
         self._mpi: Communicator | None = None
         self._collectives: Collectives | None = None
@@ -112,7 +116,7 @@ class MPIDPStrategy(ParallelStrategy):
         assert module is not None
         if self.dp is None or self.dp.module is not module:
             self._close_session()
-            self.dp = DataParallel(module, self.comm, exact=self.exact, timeout=self.timeout, name="lightning")
+            self.dp = DataParallel(module, self.comm, exact=self.exact, overlap=self.overlap, timeout=self.timeout, name="lightning")
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
             agree(self._mpi, self._optimizer_problem(), "setup")
@@ -170,8 +174,19 @@ class MPIDPStrategy(ParallelStrategy):
         return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     def post_backward(self, closure_loss: torch.Tensor) -> None:
-        if self.exact and self.dp is not None:
-            self.dp.fold()  # each micro-batch into the window's exact sums
+        # each micro-batch into the window's exact sums; with overlap the last one's .grad goes to reduce as it is
+        if self.exact and self.dp is not None and (self._blocked or self.dp.overlap is None):
+            self.dp.fold()
+
+    @contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Lightning's context for the micro-batches of a window but the last: with ``overlap`` they only accumulate (local)."""
+        self._blocked = True
+        try:
+            with nullcontext() if self.dp is None else self.dp.no_sync():
+                yield
+        finally:
+            self._blocked = False
 
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         """Run the window's closure, reduce (or step the sharded optimizer), clip, step (collective)."""

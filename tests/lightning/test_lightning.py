@@ -32,6 +32,7 @@ PLAN: list[tuple[Any, int, list[str]]] = [
     ("sharded-saved", 3, ["example", "--exact", "--steps", "2", "--sharded", "--save", "sharded-ckpt", "--stop-after", "1"]),
     ("sharded-resumed", 2, ["example", "--exact", "--steps", "2", "--sharded", "--resume", "sharded-ckpt"]),
     ("float32", 2, ["example", "--steps", "3"]),
+    ("overlap", 2, [*EXACT, "--overlap", "thread"]),
     *((("sum", n), n, ["sum"]) for n in (1, 3, 4)),
     ("mean", 2, ["mean"]),
     ("manual", 3, ["manual"]),
@@ -75,6 +76,7 @@ def test_exact_hash_is_the_same_at_1_to_4_ranks_and_after_a_resume_at_another(ru
     assert checkpoint.latest(folder / "ckpt") == folder / "ckpt" / "step-000002"
     assert len(list((folder / "ckpt" / "step-000002").glob("rank-*.safetensors"))) == 4  # each rank wrote its slices
     assert done["float32"] != whole[1]  # the float32 path: other bits, so the exact ones are not a coincidence
+    assert done["overlap"] == whole[1]  # overlap="thread": the micro-batches but the last folded under no_sync
 
 
 def test_bf16_mixed_and_sharded_runs_are_the_same_at_every_world_size(runs: tuple[Runs, Path]) -> None:

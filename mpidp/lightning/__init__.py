@@ -4,7 +4,7 @@
 ``MPIDPFabricStrategy`` (``lightning.fabric.Fabric``) in :mod:`mpidp.lightning.fabric`;
 what both ask of MPI in :mod:`mpidp.lightning.collectives`, the window in
 :mod:`mpidp.lightning.window`, checkpoints in :mod:`mpidp.lightning.checkpoints`.
-Needs the ``lightning`` extra (``pip install "mpidp[lightning]"``); docs/lightning.md.
+Needs the ``lightning`` extra (``pip install ".[lightning]"`` from a checkout); docs/lightning.md.
 """
 
 from .collectives import MPIDPEnvironment

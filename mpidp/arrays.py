@@ -12,15 +12,32 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 
 __all__ = [
-    "BFLOAT16", "FLOATING", "ArrayInfo", "describe", "empty_like", "fingerprint", "flat_zeros", "host_bytes", "synchronize", "to_host", "view",
+    "FLOATING", "ArrayInfo", "bfloat16", "describe", "empty_like", "fingerprint", "flat_zeros", "host_bytes", "synchronize", "to_host", "view",
     "write_device", "zeros_like",
 ]
 
-BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+
+
+@functools.cache
+def bfloat16() -> np.dtype:
+    """ml_dtypes' bfloat16, imported on first use: ml_dtypes 0.7's import takes about a second of CPU, in every rank.
+
+    Until a process has imported ml_dtypes, none of its arrays is bfloat16, so the checks compare dtype names.
+    """
+    import ml_dtypes
+
+    return np.dtype(ml_dtypes.bfloat16)
+
+
+def __getattr__(name: str) -> Any:
+    """``BFLOAT16``: :func:`bfloat16`, for the callers that name the dtype (PEP 562: resolved on first use)."""
+    if name == "BFLOAT16":
+        return bfloat16()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 #: dtypes mpidp synchronises; everything else is refused.
 FLOATING = ("float32", "float16", "bfloat16")
 _INTEGER_KINDS = "biu"
@@ -213,14 +230,14 @@ def device_bfloat16_problem() -> str | None:
         import cupy
 
         wide = np.array([1.5, -2.0, 1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8), 3.0e38, 2**-130], dtype=np.float32)
-        narrow = cupy.asarray(wide.astype(BFLOAT16))
+        narrow = cupy.asarray(wide.astype(bfloat16()))
         up = cupy.empty(wide.size, dtype=cupy.float32)
         up[...] = narrow  # the upcast into the stage, as the reduction does it
-        down = cupy.empty(wide.size, dtype=BFLOAT16)
+        down = cupy.empty(wide.size, dtype=bfloat16())
         down[...] = cupy.asarray(wide)  # the cast back
-        if up.get().tobytes() != wide.astype(BFLOAT16).astype(np.float32).tobytes():
+        if up.get().tobytes() != wide.astype(bfloat16()).astype(np.float32).tobytes():
             answer = "CuPy's bfloat16 to float32 cast differs from ml_dtypes' on this device"
-        elif down.get().tobytes() != wide.astype(BFLOAT16).tobytes():
+        elif down.get().tobytes() != wide.astype(bfloat16()).tobytes():
             answer = "CuPy's float32 to bfloat16 cast does not round to nearest even as ml_dtypes does on this device"
     except Exception as e:  # noqa: BLE001 - any failure means: not supported here
         answer = f"{type(e).__name__}: {e}"
@@ -248,14 +265,14 @@ def view(x: Any) -> Any:
             if str(t.dtype) == "torch.bfloat16":
                 torch = sys.modules["torch"]  # a torch array was handed in: torch is imported
 
-                return t.view(torch.int16).numpy().view(BFLOAT16)
+                return t.view(torch.int16).numpy().view(bfloat16())
             return t.numpy()
         import cupy
 
         if str(t.dtype) == "torch.bfloat16":  # through its bits: CuPy's DLPack import of bfloat16 is newer than its dtype
             torch = sys.modules["torch"]  # a torch array was handed in: torch is imported
 
-            return cupy.from_dlpack(t.view(torch.int16)).view(BFLOAT16)
+            return cupy.from_dlpack(t.view(torch.int16)).view(bfloat16())
         return cupy.from_dlpack(t)
     raise TypeError(f"not an array: {type(x).__name__}")
 

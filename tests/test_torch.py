@@ -401,10 +401,20 @@ def test_reduce_allocates_no_model_sized_memory_after_the_first_window(comm: MPI
         assert torch_bytes < model_bytes / 8, (torch_bytes, model_bytes)
 
 
-def test_import_mpidp_imports_neither_torch_nor_the_examples() -> None:
+def test_import_mpidp_imports_neither_torch_nor_ml_dtypes_nor_the_examples() -> None:
+    """Nor ml_dtypes (about a second of CPU per rank in 0.7), until a bfloat16 array or checkpoint needs it; then the
+    dtype is ml_dtypes' own."""
+    code = (
+        "import sys, mpidp, mpidp.checkpoint, mpidp.optim, mpidp.torch\n"
+        "loaded = [m for m in ('torch', 'mpidp.examples', 'ml_dtypes') if m in sys.modules]\n"
+        "assert loaded == ['torch'], loaded\n"
+        "import ml_dtypes, numpy as np\n"
+        "assert mpidp.arrays.bfloat16() == np.dtype(ml_dtypes.bfloat16) == mpidp.arrays.BFLOAT16\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60, env=clean_env())
     code = (
         "import sys, mpidp\n"
-        "loaded = [m for m in ('torch', 'mpidp.torch', 'mpidp.examples') if m in sys.modules]\n"
+        "loaded = [m for m in ('torch', 'mpidp.torch', 'mpidp.examples', 'ml_dtypes') if m in sys.modules]\n"
         "assert not loaded, loaded\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60, env=clean_env())

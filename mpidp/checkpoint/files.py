@@ -28,12 +28,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 import xxhash
 from safetensors import safe_open  # build_manifest reads headers with it
 from safetensors.numpy import save_file
 
+from ..arrays import bfloat16
 from ..cut import bounds, pieces, starts
 
 __all__ = [
@@ -47,7 +47,12 @@ MANIFEST = "manifest.json"
 #: a file in the checkpoints' folder naming the newest complete checkpoint
 LATEST = "latest"
 _KEY = re.compile(r"^(?P<tensor>.+)@(?P<lo>\d+)$")
-_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float64": np.float64, "int64": np.int64, "uint8": np.uint8}
+_DTYPES = ("float32", "float16", "bfloat16", "float64", "int64", "uint8")
+
+
+def _dtype(name: str) -> np.dtype:
+    """The dtype a manifest names (one of ``_DTYPES``; bfloat16 is ml_dtypes', imported when a checkpoint holds it)."""
+    return bfloat16() if name == "bfloat16" else np.dtype(name)
 
 
 def dtype_name(dtype: Any) -> str:
@@ -238,7 +243,7 @@ def _entry(key: str, entry: Any, size: int, used: list[int]) -> str | None:
         return f"tensor {key!r}: 'shape' must be a list of non-negative ints"
     if entry.get("dtype") not in _DTYPES or not isinstance(entry.get("pieces"), list):
         return f"tensor {key!r}: 'dtype' must be one of {', '.join(_DTYPES)} and 'pieces' a list"
-    total, itemsize = numel(entry["shape"]), np.dtype(_DTYPES[entry["dtype"]]).itemsize
+    total, itemsize = numel(entry["shape"]), _dtype(entry["dtype"]).itemsize
     for p in entry["pieces"]:
         if not (isinstance(p, list) and len(p) == 3 and all(_count(x) for x in p) and p[0] < size and p[1] < p[2] <= total):
             return f"tensor {key!r}: a piece {str(p)[:80]} is not [file index, lo, hi] within the tensor and the files"
@@ -298,8 +303,8 @@ class Reader:
         if hi is None:
             hi = numel(entry["shape"])
         if out is None:
-            out = np.empty(hi - lo, dtype=_DTYPES[entry["dtype"]])
-        elif out.shape != (hi - lo,) or out.dtype != _DTYPES[entry["dtype"]] or not out.flags["C_CONTIGUOUS"]:
+            out = np.empty(hi - lo, dtype=_dtype(entry["dtype"]))
+        elif out.shape != (hi - lo,) or out.dtype != _dtype(entry["dtype"]) or not out.flags["C_CONTIGUOUS"]:
             raise ValueError(f"{tensor}: cannot read {hi - lo} {entry['dtype']} values into {out.dtype}{list(out.shape)}")
         for index, a, b in entry["pieces"]:
             s, e = max(a, lo), min(b, hi)

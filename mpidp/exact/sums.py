@@ -45,7 +45,6 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from ..arrays import BFLOAT16
 from ..casts import Casts
 from . import numpy_passes as _NumPy  # the last resort: NumPy's forms of the passes
 
@@ -374,7 +373,7 @@ def measured(values: Any, passes: Any = None) -> Measured:
     """
     k = kernels() if passes is None else passes
     x = np.asarray(values)
-    if x.dtype in _SIXTEEN and x.size:
+    if x.dtype.name in _SIXTEEN and x.size:
         src = np.ascontiguousarray(x).reshape(-1)
         x = np.empty(src.size, np.float32)
         _CASTS.get(k, _CASTS[_NumPy]).upcast(x, src)
@@ -390,7 +389,7 @@ def measured(values: Any, passes: Any = None) -> Measured:
     return np.where(finite, x, np.float32(0)), e, np.where(finite, np.float32(0), exact)
 
 
-_SIXTEEN = (np.dtype(np.float16), np.dtype(BFLOAT16))
+_SIXTEEN = ("float16", "bfloat16")  # by name: bfloat16 is ml_dtypes' (mpidp.arrays.bfloat16)
 #: per passes, the 16-bit upcasts of the same family (filled as routes are first chosen)
 _CASTS: dict[Any, Casts] = {_NumPy: Casts("numpy")}
 #: the compiled passes once imported; False where numba is absent or they failed to build (a fact of the process)

@@ -28,9 +28,10 @@ MICRO = 5  # micro-batches per window
 SHAPES = {"a": (1,), "b": (7,), "c": (33, 3), "d": (1000003,)}
 
 
-def params(big: bool = True, half: bool = True) -> dict[str, np.ndarray]:
+def params(big: bool = True, half: bool = True, d: int = SHAPES["d"][0]) -> dict[str, np.ndarray]:
+    """The parameters: ``d`` (``big``) of ``d`` values, and a bfloat16 ``h`` (``half``)."""
     rng = np.random.default_rng(1)
-    out = {k: rng.standard_normal(s).astype(np.float32) for k, s in SHAPES.items() if big or k != "d"}
+    out = {k: rng.standard_normal((d,) if k == "d" else s).astype(np.float32) for k, s in SHAPES.items() if big or k != "d"}
     if half:
         out["h"] = rng.standard_normal(65).astype(BF16)
     return out
@@ -267,6 +268,11 @@ def test_a_checkpoint_loads_at_another_world_size(comm: MPI.Comm) -> None:
                 dp.close()
 
 
+#: ``d``'s size in the owner-slice test: 4-byte rounds of 4096 bytes cut it 20 times, inside it and off every SIMD width
+#: (the 1000003 values of the other tests made 1,000 rounds per reduction there: a minute per case at 4 ranks, no more cuts)
+OWNED_D = 20011
+
+
 @pytest.mark.parametrize("case", ["plain", "join", "wide", "folds", "nan"])
 def test_each_owner_sums_and_converts_only_its_slice_with_the_bits_of_the_whole(comm: MPI.Comm, monkeypatch: pytest.MonkeyPatch, case: str) -> None:
     """Exact: each owner sums and converts only its own slice (ExactWindow.reduce_owned, no gather of gradients), with the
@@ -281,7 +287,7 @@ def test_each_owner_sums_and_converts_only_its_slice_with_the_bits_of_the_whole(
     thin: dict[int, int] = {}
 
     def run(sub: MPI.Comm, mode: str) -> str:
-        p = params()
+        p = params(d=OWNED_D)
         with monkeypatch.context() as m:
             if mode == "whole":
                 m.setattr(ExactWindow, "reduce_owned", lambda *a: False)

@@ -229,6 +229,19 @@ def test_namespaces_of_a_killed_run_are_removed_by_the_next(driver: ModuleType) 
         subprocess.run(["ip", "netns", "del", left], capture_output=True, check=False)
 
 
+@serial
+def test_the_torch_distributed_launcher_spans_hosts(driver: ModuleType) -> None:
+    """``python -m mpidp.torch.run`` on 2 hosts x 2 ranks: torchrun's variables per host (node-local ranks, the store at
+    rank 0's host name), and DDP, all_gather and a 4 MiB all_reduce over the ``"mpidp"`` backend, across the hosts."""
+    pytest.importorskip("torch")
+    script = ROOT / "tests" / "torch_distributed" / "hosts_script.py"
+    code, out, _ = _hosts(["run", "--timeout", "240", "--", sys.executable, "-m", "mpidp.torch.run", str(script)], timeout=300)
+    assert code == 0, out
+    found = sorted(re.findall(r"rank (\d)/4 local (\d)/2 host (\S+) master (\S+) backend mpidp ok True", out))
+    assert found == [("0", "0", "mpdh-h0", "127.0.0.1"), ("1", "1", "mpdh-h0", "127.0.0.1"),
+                     ("2", "0", "mpdh-h1", "mpdh-h0"), ("3", "1", "mpdh-h1", "mpdh-h0")], out
+
+
 def _fault_job(mode: str) -> tuple[int, str, float]:
     """The fault script of test_faults.py on 2 hosts x 2 ranks; seconds from the fault to the end."""
     code, out, _ = _hosts(["run", "--", sys.executable, str(ROOT / "tests" / "faults" / "train.py"), mode])

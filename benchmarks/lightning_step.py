@@ -35,11 +35,11 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from torch_distributed import run  # one job under mpiexec, its RESULT line (benchmarks/ is the script's folder)
 
 VARIANTS = ("mpidp", "ddp_gloo", "mpidp_sharded", "mpidp_thread")
 
@@ -107,19 +107,6 @@ def job_main(args: argparse.Namespace) -> None:
         print("RESULT " + json.dumps({"median_s": max(m["median_s"] for m in every), "parameters": mine["parameters"]}), flush=True)
 
 
-def run(ranks: int, *argv: str) -> dict[str, Any]:
-    """Start one job of this file under ``mpiexec`` and return its RESULT."""
-    mpiexec = str(Path(sys.executable).with_name("mpiexec"))
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")}
-    p = subprocess.run([mpiexec, "-n", str(ranks), sys.executable, "-m", "mpi4py", __file__, *argv],
-                       check=False, capture_output=True, text=True, env={**env, "PYTHONWARNINGS": "ignore"}, timeout=1800)
-    lines = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
-    if p.returncode != 0 or not lines:
-        raise SystemExit(f"job {argv} failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
-    result: dict[str, Any] = json.loads(lines[-1][len("RESULT ") :])
-    return result
-
-
 def drive(args: argparse.Namespace) -> None:
     """Alternate the variants' jobs for ``rounds`` rounds (the order rotates); print medians and ratios, write JSON."""
     variants = [v for v in VARIANTS if v in args.variants.split(",")]
@@ -127,7 +114,7 @@ def drive(args: argparse.Namespace) -> None:
     load_start, parameters = os.getloadavg(), 0
     for r in range(args.rounds):
         for v in variants[r % len(variants) :] + variants[: r % len(variants)]:
-            got = run(args.ranks, "--job", "--variant", v, "--steps", str(args.steps), "--warmup", str(args.warmup))
+            got = run(args.ranks, "--job", "--variant", v, "--steps", str(args.steps), "--warmup", str(args.warmup), script=__file__)
             steps[v].append(got["median_s"])
             parameters = got["parameters"]
         print(f"round {r + 1}/{args.rounds} done", flush=True)

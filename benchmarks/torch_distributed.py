@@ -112,11 +112,14 @@ def job_main(args: argparse.Namespace) -> None:
         print("RESULT " + json.dumps(worst), flush=True)
 
 
-def run(ranks: int, *argv: str) -> dict[str, Any]:
-    """Start one job of this file under ``mpiexec`` and return its RESULT."""
+def run(ranks: int, *argv: str, script: str = __file__) -> dict[str, Any]:
+    """Start one job of ``script`` (this file; lightning_step.py passes its own) under ``mpiexec``; its RESULT line.
+
+    The job's environment has none of torchrun's variables: the job sets its own.
+    """
     mpiexec = str(Path(sys.executable).with_name("mpiexec"))
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    p = subprocess.run([mpiexec, "-n", str(ranks), sys.executable, "-m", "mpi4py", __file__, *argv],
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")}
+    p = subprocess.run([mpiexec, "-n", str(ranks), sys.executable, "-m", "mpi4py", script, *argv],
                        check=False, capture_output=True, text=True, env={**env, "PYTHONWARNINGS": "ignore"}, timeout=1800)
     lines = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
     if p.returncode != 0 or not lines:

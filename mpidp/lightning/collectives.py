@@ -25,7 +25,7 @@ from ..comm import Communicator, MPIComm, world
 from ..errors import ContractError
 from ..torch.distributed import ProcessGroupMPIDP
 
-__all__ = ["Collectives", "MPIDPEnvironment", "agree"]
+__all__ = ["Collectives", "MPIDPEnvironment", "StrategyCollectives", "agree"]
 
 
 class MPIDPEnvironment(ClusterEnvironment):
@@ -163,6 +163,30 @@ class Collectives:
     def close(self) -> None:
         """Free the communicator (collective)."""
         self.group.shutdown()
+
+
+class StrategyCollectives:
+    """The collective methods both strategies give Lightning, over their ``_collectives`` (None until
+    ``setup_environment``: then a world of one). Put before Lightning's base class; each strategy names its reduce
+    (the Trainer's ``reduce``, Fabric's ``all_reduce``) and calls :meth:`_reduce_tensor`."""
+
+    _collectives: Collectives | None
+
+    def barrier(self, name: str | None = None) -> None:
+        if self._collectives is not None:
+            self._collectives.barrier()
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        return obj if self._collectives is None else self._collectives.broadcast(obj, src)
+
+    def all_gather(self, tensor: torch.Tensor, group: Any = None, sync_grads: bool = False) -> torch.Tensor:
+        assert self._collectives is not None, "all_gather before setup_environment"
+        return self._collectives.all_gather(tensor, sync_grads)
+
+    def _reduce_tensor(self, tensor: Any, reduce_op: Any) -> Any:
+        if not isinstance(tensor, torch.Tensor) or self._collectives is None:
+            return tensor
+        return self._collectives.reduce(tensor, reduce_op)
 
 
 def _options(options: Any, **values: Any) -> Any:

@@ -30,13 +30,13 @@ from lightning.fabric.utilities.rank_zero import rank_zero_only
 from ..comm import Communicator, MPIComm, duplicate
 from ..torch import DataParallel
 from .checkpoints import EXTRA
-from .collectives import Collectives, MPIDPEnvironment, agree
+from .collectives import Collectives, MPIDPEnvironment, StrategyCollectives, agree
 from .window import Window, convert_optimizer
 
 __all__ = ["MPIDPFabricStrategy"]
 
 
-class MPIDPFabricStrategy(ParallelStrategy):
+class MPIDPFabricStrategy(StrategyCollectives, ParallelStrategy):
     """A Fabric strategy over MPI: one process per rank, mpidp's DataParallel next to the module (collective to use).
 
     ``comm``, ``exact``, ``sharded``, ``timeout``: as :class:`mpidp.lightning.MPIDPStrategy`'s.
@@ -147,21 +147,8 @@ class MPIDPFabricStrategy(ParallelStrategy):
 
     # ------------------------------------------------------------------ collectives
 
-    def barrier(self, name: str | None = None) -> None:
-        if self._collectives is not None:
-            self._collectives.barrier()
-
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        return obj if self._collectives is None else self._collectives.broadcast(obj, src)
-
-    def all_gather(self, tensor: torch.Tensor, group: Any = None, sync_grads: bool = False) -> torch.Tensor:
-        assert self._collectives is not None, "all_gather before setup_environment"
-        return self._collectives.all_gather(tensor, sync_grads)
-
     def all_reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
-        if not isinstance(tensor, torch.Tensor) or self._collectives is None:
-            return tensor
-        return self._collectives.reduce(tensor, reduce_op)
+        return self._reduce_tensor(tensor, reduce_op)  # barrier, broadcast, all_gather: StrategyCollectives
 
     # ------------------------------------------------------------------ checkpoints
 

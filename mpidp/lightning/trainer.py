@@ -36,13 +36,13 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 from ..comm import Communicator, MPIComm, duplicate
 from ..torch import DataParallel
 from . import checkpoints
-from .collectives import Collectives, MPIDPEnvironment, agree
+from .collectives import Collectives, MPIDPEnvironment, StrategyCollectives, agree
 from .window import Window, convert_optimizer
 
 __all__ = ["MPIDPStrategy"]
 
 
-class MPIDPStrategy(ParallelStrategy):
+class MPIDPStrategy(StrategyCollectives, ParallelStrategy):
     """A Trainer strategy over MPI: replicated data parallelism with mpidp's reduction, one process per rank.
 
     Collective to use (every rank's Trainer runs the same calls). ``comm``:
@@ -208,21 +208,8 @@ class MPIDPStrategy(ParallelStrategy):
 
     # ------------------------------------------------------------------ collectives
 
-    def barrier(self, name: str | None = None) -> None:
-        if self._collectives is not None:
-            self._collectives.barrier()
-
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        return obj if self._collectives is None else self._collectives.broadcast(obj, src)
-
-    def all_gather(self, tensor: torch.Tensor, group: Any = None, sync_grads: bool = False) -> torch.Tensor:
-        assert self._collectives is not None, "all_gather before setup_environment"
-        return self._collectives.all_gather(tensor, sync_grads)
-
     def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
-        if not isinstance(tensor, torch.Tensor) or self._collectives is None:
-            return tensor
-        return self._collectives.reduce(tensor, reduce_op)
+        return self._reduce_tensor(tensor, reduce_op)  # barrier, broadcast, all_gather: StrategyCollectives
 
     # ------------------------------------------------------------------ checkpoints
 

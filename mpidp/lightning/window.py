@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from ..comm import Communicator
+from ..errors import ContractError
 from ..torch import DataParallel, ShardedAdam, ShardedAdamW, ShardedSGD
 from .collectives import agree
 
@@ -60,7 +61,8 @@ class Window:
         if not problems and len({k for k, _ in every}) > 1:
             problems = ", ".join(f"rank {r}: a {'loss sum with a weight' if k == 'sum' else 'mean loss'}" for r, (k, _) in enumerate(every))
             problems = f"ranks' training steps returned different kinds of loss ({problems}): every rank returns a {WEIGHT!r} or none does"
-        agree(comm, problems or None, "the window")  # the same error on every rank, or none
+        if problems:  # every rank gathered the same records: the same error on every rank, with no second exchange
+            raise ContractError(f"MPIDPStrategy, the window: {problems}")
         return sum(weights) if mine == "sum" else 1
 
 

@@ -39,6 +39,7 @@ TOOL_VARIABLES = (
     "MPIDP_EXAMPLE",  # scripts/demo
     "MPIDP_CPU_TARGETS",  # scripts/gpu-check
     "MPIDP_FAKE_SCHEDULE",  # tests/fakegpu
+    "MPIDP_FAKE_SCHEDULES",  # tests/conftest.py: every gpu test under each of these schedules
     "MPIDP_FAKE_GPUS",  # tests/fakegpu
     "MPIDP_TEST_RANKS",  # scripts/test
     "MPIDP_TEST_TIMEOUT",  # tests/conftest.py

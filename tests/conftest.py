@@ -105,6 +105,24 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         items[:] = selected
 
 
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """With ``MPIDP_FAKE_SCHEDULES=lazy,random:1,...``, every ``gpu`` test runs once per fake-GPU schedule, in one job."""
+    schedules = [s for s in os.environ.get("MPIDP_FAKE_SCHEDULES", "").split(",") if s]
+    if schedules and metafunc.definition.get_closest_marker("gpu") is not None:
+        metafunc.fixturenames.append("fake_schedule")
+        metafunc.parametrize("fake_schedule", schedules, indirect=True)
+
+
+@pytest.fixture
+def fake_schedule(request: pytest.FixtureRequest) -> Iterator[str]:
+    """The schedule of tests/fakegpu's queued work for this test (``cupy.cuda.set_schedule``), reset afterwards."""
+    import cupy
+
+    cupy.cuda.set_schedule(request.param)
+    yield request.param
+    cupy.cuda.set_schedule(os.environ.get("MPIDP_FAKE_SCHEDULE", "lazy"))
+
+
 @pytest.fixture(autouse=True)
 def _watchdog(request: pytest.FixtureRequest) -> Any:
     mark = request.node.get_closest_marker("time_limit")

@@ -146,8 +146,23 @@ def _is_pinned(a: np.ndarray) -> bool:
     return any(start <= lo and hi <= end for _, start, end in _pinned)
 
 
-_schedule = os.environ.get("MPIDP_FAKE_SCHEDULE", "lazy")
-_random = random.Random(int(_schedule.split(":", 1)[1]) if _schedule.startswith("random:") else 0)
+_schedule = "lazy"
+_random = random.Random(0)
+
+
+def set_schedule(name: str) -> None:
+    """Run queued work ``lazy`` (only when waited for) or ``random:SEED`` (sometimes early too), from a fresh seed.
+
+    Set from ``MPIDP_FAKE_SCHEDULE`` at import; tests/conftest.py sets it per test when one job runs every schedule.
+    """
+    global _schedule, _random
+    if name != "lazy" and not (name.startswith("random:") and name[7:].isdigit()):
+        raise ValueError(f"a fake-GPU schedule is lazy or random:SEED, got {name!r}")
+    _schedule = name
+    _random = random.Random(int(name[7:]) if name.startswith("random:") else 0)
+
+
+set_schedule(os.environ.get("MPIDP_FAKE_SCHEDULE", "lazy"))
 
 
 def _progress() -> None:

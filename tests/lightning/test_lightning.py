@@ -28,6 +28,7 @@ PLAN: list[tuple[Any, int, list[str]]] = [
     ("saved", 4, [*EXACT, "--save", "ckpt", "--stop-after", "2"]),
     ("resumed", 3, [*EXACT, "--resume", "ckpt"]),
     *((("bf16", n), n, ["example", "--exact", "--steps", "2", "--precision", "bf16-mixed"]) for n in (1, 2)),
+    *((("bf16-true", n), n, ["example", "--exact", "--steps", "1", "--precision", "bf16-true"]) for n in (2, 3)),
     *((("sharded", n), n, ["example", "--exact", "--steps", "2", "--sharded"]) for n in (1, 3)),
     ("sharded-saved", 3, ["example", "--exact", "--steps", "2", "--sharded", "--save", "sharded-ckpt", "--stop-after", "1"]),
     ("sharded-resumed", 2, ["example", "--exact", "--steps", "2", "--sharded", "--resume", "sharded-ckpt"]),
@@ -40,6 +41,8 @@ PLAN: list[tuple[Any, int, list[str]]] = [
     ("mean-params", 4, ["mean-params"]),
     ("sharded-optimizer", 3, ["sharded"]),
     ("refused", 2, ["refused"]),
+    ("kinds", 3, ["kinds"]),
+    ("precisions", 2, ["precisions"]),
     *((("collectives", n), n, ["collectives"]) for n in (1, 4)),
     ("save", 4, ["save", "model-ckpt"]),
     ("resume", 2, ["resume", "model-ckpt"]),
@@ -83,6 +86,38 @@ def test_bf16_mixed_and_sharded_runs_are_the_same_at_every_world_size(runs: tupl
     done, _ = runs
     assert done["bf16", 1] == done["bf16", 2] != done["whole", 1]
     assert done["sharded", 1] == done["sharded", 3] == done["sharded-resumed"] != done["sharded-saved"]
+
+
+def test_bf16_true_gives_the_same_bits_at_every_world_size(runs: tuple[Runs, Path]) -> None:
+    """precision="bf16-true": bfloat16 parameters and gradients, reduced in float32 (one step of 12 micro-batches, 6 or 4 per rank)."""
+    done, _ = runs
+    assert done["bf16-true", 2] == done["bf16-true", 3]  # without exact=True they differ (float32 sums of other groupings)
+
+
+def test_16_mixed_runs_as_bf16_mixed_on_a_cpu_and_a_grad_scaler_sees_the_reduced_gradients(runs: tuple[Runs, Path]) -> None:
+    """precision="16-mixed" on a CPU is Lightning's bf16-mixed; Lightning's MixedPrecision("16-mixed", "cpu") plugin runs
+    fp16 autocast with a GradScaler: its unscale, inf check and skip act on the reduced gradients, alike on every rank."""
+    found = runs[0]["precisions"]
+    assert found["16-mixed"]["precision"] == "bf16-mixed" and found["16-mixed"]["digest"] == found["bf16-mixed"]["digest"]
+    assert found["bf16-mixed"]["distance"] < 3e-3 and found["bf16-mixed"]["steps"] == 2  # against one float32 process
+    scaled = found["scaler"]
+    assert scaled["precision"] == "16-mixed" and scaled["steps"] == 2
+    assert scaled["scale"] == 2.0**15  # the first window overflowed at 2**16: skipped on every rank, the scale halved once
+    assert scaled["distance"] < 2e-3, scaled  # against one float32 process (SGD) that skips the first window
+
+
+def test_a_loss_sum_and_a_mean_loss_in_one_window_are_one_error_on_every_rank(runs: tuple[Runs, Path]) -> None:
+    """Across the ranks (rank 0 a sum, the others a mean), on each rank (a sum, then a mean), a negative weight on one rank."""
+    found = runs[0]["kinds"]  # the same text on every rank: the sweep compared them
+    assert found["across ranks"]["error"] == (
+        "MPIDPStrategy, the window: ranks' training steps returned different kinds of loss (rank 0: a loss sum with a weight, "
+        "rank 1: a mean loss, rank 2: a mean loss): every rank returns a 'weight' or none does")
+    within = found["within a window"]["error"]
+    assert within.startswith("MPIDPStrategy, the window: rank 0: training steps of one window returned a 'weight' (a loss sum) and a mean loss")
+    assert within.count("and a mean loss: return one kind") == 3 and "rank 2:" in within, within
+    assert found["bad weight"]["error"] == (
+        "MPIDPStrategy, the window: rank 2: 'weight' must be a non-negative integer or an integer tensor of one element, got -1")
+    assert all(case["untouched"] for case in found.values()), found  # refused before any gradient moved: no step
 
 
 def test_a_loss_sum_and_its_weight_give_the_global_token_mean_with_uneven_and_empty_ranks(runs: tuple[Runs, Path]) -> None:
@@ -139,6 +174,17 @@ def test_model_checkpoint_resumes_at_another_world_size_with_lightning_s_state(r
     assert (resumed["epoch"], resumed["steps"], resumed["batches"], resumed["scheduler epoch"]) == (3, 6, 6, 3)
     assert resumed["lr"] == 0.05 * 0.5**3 and "epoch=2.ckpt" in resumed["files"]
     assert checkpoint.latest(folder / "model-ckpt") is not None
+
+
+def test_validate_and_test_load_a_model_checkpoint_of_another_world_size(runs: tuple[Runs, Path]) -> None:
+    """At 2 ranks, into new modules: validate(ckpt_path=epoch 1's) on the resumed fit's Trainer, test(ckpt_path=epoch 0's) on a
+    new Trainer; ModelCheckpoint wrote both at 4 ranks. The saving fit's parameters at each epoch's end, and its own validate."""
+    done, _ = runs
+    saved, resumed = done["save"], done["resume"]
+    assert len(set(saved["digests"])) == 2 and saved["digests"][1] == saved["digest"]
+    assert resumed["validate"]["digest"] == saved["digests"][1] and resumed["test"]["digest"] == saved["digests"][0]
+    assert resumed["validate"]["loss"] == pytest.approx(saved["validate"], rel=1e-6)  # the mean over the ranks of one loss
+    assert resumed["test"]["loss"] != resumed["validate"]["loss"]
 
 
 def test_fabric_strategy_gives_the_token_mean_clips_and_saves(runs: tuple[Runs, Path]) -> None:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import signal
 import warnings
 from pathlib import Path
 from typing import Any
@@ -22,7 +24,7 @@ from torch.utils.data import DataLoader
 
 from mpidp import ContractError
 from mpidp.examples import lightning as example
-from mpidp.lightning import MPIDPStrategy
+from mpidp.lightning import MPIDPStrategy, StopOnSignal
 
 DIM, CLASSES, TOKENS = 6, 5, 8
 
@@ -319,6 +321,37 @@ def checkpoints(comm: MPI.Comm, folder: str, resume: bool) -> dict[str, Any]:
     return out
 
 
+class Signals(Net):
+    """Rank ``sender`` sends itself SIGUSR1 in the first training step of epoch 1 (None: no rank does)."""
+
+    def __init__(self, sender: int | None) -> None:
+        super().__init__("sum")
+        self.sender = sender
+
+    def training_step(self, batch: Any, i: int) -> Any:
+        if self.current_epoch == 1 and i == 0 and self.global_rank == self.sender:
+            os.kill(os.getpid(), signal.SIGUSR1)
+        return super().training_step(batch, i)
+
+
+def stop(comm: MPI.Comm, folder: str) -> dict[str, Any]:
+    """StopOnSignal, 4 epochs of one window of 2 micro-batches: the last rank's SIGUSR1 in epoch 1 stops every rank after
+    that window with a checkpoint; fit(ckpt_path=folder) goes on; and a run that no signal stops."""
+    out: dict[str, Any] = {}
+    for name, sender, resume in (("whole", None, False), ("stopped", comm.size - 1, False), ("resumed", None, True)):
+        net = Signals(sender)
+        strategy = MPIDPStrategy(comm)
+        stopping = StopOnSignal(folder)
+        run = trainer(strategy, -1, 2, epochs=4, callbacks=[stopping])
+        run.fit(net, data(comm.rank, comm.size, 2), ckpt_path=folder if resume else None)
+        strategy.close()
+        out[name] = {"steps": run.global_step, "epoch": run.current_epoch, "digest": example.digest(net),
+                     "saved": None if stopping.saved is None else stopping.saved.name}
+    out["rank files"] = len(list((Path(folder) / "step-000002").glob("rank-*")))
+    out["handler"] = signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL  # put back at the end of fit
+    return out
+
+
 class Scored(Net):
     """A Net with validation and test steps that log the mean loss over the ranks (every rank sees the same batches)."""
 
@@ -369,6 +402,35 @@ def fabric(comm: MPI.Comm, folder: str) -> dict[str, Any]:
         out[f"loaded sharded={shard}"] = [example.digest(net) == before, state["windows"], sorted(rest)]
         out["world"] = f.world_size
         strategy.close()
+    return {**out, **fabric_overlap(comm)}
+
+
+def fabric_overlap(comm: MPI.Comm) -> dict[str, Any]:
+    """exact=True, plain and overlap="thread": fabric.no_backward_sync around each window's first micro-batch; the same bits."""
+    from lightning.fabric import Fabric
+
+    from mpidp.lightning import MPIDPFabricStrategy
+
+    out: dict[str, Any] = {}
+    for overlap in (False, "thread"):
+        strategy = MPIDPFabricStrategy(comm, exact=True, overlap=overlap)
+        f = Fabric(strategy=strategy, accelerator="cpu", devices=1)
+        f.launch()
+        net = Net("sum")
+        model, opt = f.setup(net.net, net.configure_optimizers())
+        with warnings.catch_warnings(record=True) as warned:
+            warnings.simplefilter("always")
+            for w in range(2):
+                for j in range(2):
+                    x, y = tokens(comm.rank, 2 * w + j, comm.size)
+                    with f.no_backward_sync(model, enabled=j == 0):
+                        f.backward(F.cross_entropy(model(x), y, ignore_index=-100, reduction="sum"), weight=int((y != -100).sum()))
+                opt.step()
+                opt.zero_grad()
+        out[f"overlap={overlap}"] = {"digest": example.digest(net), "distance": distance(net, reference("sum", comm.size, 2, 2, None)),
+                                     "mode": strategy.dp.overlap if strategy.dp is not None else "none",
+                                     "warned": sorted({str(m.message)[:60] for m in warned if "synchroniz" in str(m.message)})}
+        strategy.close()
     return out
 
 
@@ -385,7 +447,7 @@ def main(argv: list[str], comm: MPI.Comm | None = None) -> str:
     runs = {
         "sum": lambda: window("sum", comm), "mean": lambda: window("mean", comm), "manual": lambda: manual(comm), "ddp": lambda: ddp(comm),
         "mean-params": lambda: mean_params(comm), "sharded": lambda: sharded(comm), "refused": lambda: refused(comm),
-        "precisions": lambda: precisions(comm), "kinds": lambda: kinds(comm),
+        "precisions": lambda: precisions(comm), "kinds": lambda: kinds(comm), "stop": lambda: stop(comm, rest[0]),
         "collectives": lambda: collectives(comm), "save": lambda: checkpoints(comm, rest[0], False),
         "resume": lambda: checkpoints(comm, rest[0], True), "fabric": lambda: fabric(comm, rest[0]),
     }

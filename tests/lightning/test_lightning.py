@@ -46,6 +46,7 @@ PLAN: list[tuple[Any, int, list[str]]] = [
     *((("collectives", n), n, ["collectives"]) for n in (1, 4)),
     ("save", 4, ["save", "model-ckpt"]),
     ("resume", 2, ["resume", "model-ckpt"]),
+    ("stop", 2, ["stop", "stop-ckpt"]),
     ("fabric", 3, ["fabric", "fabric-ckpt"]),
 ]
 Runs = dict[Any, Any]
@@ -176,6 +177,17 @@ def test_model_checkpoint_resumes_at_another_world_size_with_lightning_s_state(r
     assert checkpoint.latest(folder / "model-ckpt") is not None
 
 
+def test_stop_on_signal_stops_every_rank_after_one_step_and_saves(runs: tuple[Runs, Path]) -> None:
+    """StopOnSignal at 2 ranks, 4 epochs of one window: the last rank's SIGUSR1 in epoch 1 (as Slurm's --signal through the
+    template's trap) stops both ranks after that window, saved; the resumed fit ends with the bits of a run never stopped."""
+    done, folder = runs
+    found = done["stop"]
+    assert (found["stopped"]["steps"], found["stopped"]["saved"], found["rank files"]) == (2, "step-000002", 2)
+    assert found["whole"]["steps"] == found["resumed"]["steps"] == 4 and found["whole"]["saved"] is None
+    assert found["resumed"]["digest"] == found["whole"]["digest"] != found["stopped"]["digest"]
+    assert checkpoint.latest(folder / "stop-ckpt") == folder / "stop-ckpt" / "step-000002" and found["handler"]
+
+
 def test_validate_and_test_load_a_model_checkpoint_of_another_world_size(runs: tuple[Runs, Path]) -> None:
     """At 2 ranks, into new modules: validate(ckpt_path=epoch 1's) on the resumed fit's Trainer, test(ckpt_path=epoch 0's) on a
     new Trainer; ModelCheckpoint wrote both at 4 ranks. The saving fit's parameters at each epoch's end, and its own validate."""
@@ -194,3 +206,13 @@ def test_fabric_strategy_gives_the_token_mean_clips_and_saves(runs: tuple[Runs, 
     for shard in (False, True):
         assert found[f"distance sharded={shard}"] < 1e-6, found
         assert found[f"loaded sharded={shard}"] == [True, 2, []], found  # the parameters back, "windows" restored in place
+
+
+def test_fabric_overlap_gives_the_plain_exact_bits_with_no_backward_sync(runs: tuple[Runs, Path]) -> None:
+    """MPIDPFabricStrategy(exact=True, overlap="thread") at 3 ranks: fabric.no_backward_sync(model, enabled=...) around each
+    window's first micro-batch (no "does not support" warning), the last one's backward reduces on the thread."""
+    found = runs[0]["fabric"]
+    plain, overlapped = found["overlap=False"], found["overlap=thread"]
+    assert plain["mode"] is None and overlapped["mode"] == "thread"
+    assert overlapped["digest"] == plain["digest"] and plain["distance"] < 1e-6, found
+    assert plain["warned"] == overlapped["warned"] == [], found

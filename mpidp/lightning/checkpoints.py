@@ -78,7 +78,10 @@ class StopOnSignal(Callback):
 
     def on_train_start(self, trainer: Any, module: Any) -> None:
         """Note ``signals`` from now on (local: sets the handlers)."""
-        self._stop, self._step = StopSignal(trainer.strategy.dp, self.signals), trainer.global_step
+        dp = getattr(trainer.strategy, "dp", None)
+        if not isinstance(dp, DataParallel):  # the same strategy on every rank: the same error on every rank
+            raise TypeError(f"StopOnSignal needs MPIDPStrategy (the ranks agree through its DataParallel), got {type(trainer.strategy).__name__}")
+        self._stop, self._step = StopSignal(dp, self.signals), trainer.global_step
 
     def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
         """After a batch that stepped the optimizer: whether any rank got a signal; if so save and stop (collective)."""

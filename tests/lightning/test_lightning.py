@@ -28,7 +28,8 @@ PLAN: list[tuple[Any, int, list[str]]] = [
     ("saved", 4, [*EXACT, "--save", "ckpt", "--stop-after", "2"]),
     ("resumed", 3, [*EXACT, "--resume", "ckpt"]),
     *((("bf16", n), n, ["example", "--exact", "--steps", "2", "--precision", "bf16-mixed"]) for n in (1, 2)),
-    *((("bf16-true", n), n, ["example", "--exact", "--steps", "1", "--precision", "bf16-true", "--context", "16"]) for n in (2, 3)),
+    # 2 ranks first: a process's first bfloat16 step costs seconds, and so ranks 0 and 1 pay it side by side
+    *((("bf16-true", n), n, ["example", "--exact", "--steps", "1", "--precision", "bf16-true", "--context", "16"]) for n in (2, 1)),
     *((("sharded", n), n, ["example", "--exact", "--steps", "2", "--sharded"]) for n in (1, 3)),
     ("sharded-saved", 3, ["example", "--exact", "--steps", "2", "--sharded", "--save", "sharded-ckpt", "--stop-after", "1"]),
     ("sharded-resumed", 2, ["example", "--exact", "--steps", "2", "--sharded", "--resume", "sharded-ckpt"]),
@@ -90,10 +91,10 @@ def test_bf16_mixed_and_sharded_runs_are_the_same_at_every_world_size(runs: tupl
 
 
 def test_bf16_true_gives_the_same_bits_at_every_world_size(runs: tuple[Runs, Path]) -> None:
-    """precision="bf16-true": bfloat16 parameters and gradients, reduced in float32 (one step of 12 micro-batches, 6 or 4 per
+    """precision="bf16-true": bfloat16 parameters and gradients, reduced in float32 (one step of 12 micro-batches, 12 or 6 per
     rank; short sentences, as bfloat16 matmuls are slow on a CPU)."""
     done, _ = runs
-    assert done["bf16-true", 2] == done["bf16-true", 3]  # without exact=True they differ (float32 sums of other groupings)
+    assert done["bf16-true", 1] == done["bf16-true", 2]  # without exact=True they differ (bfloat16 .grad sums of other lengths)
 
 
 def test_16_mixed_runs_as_bf16_mixed_on_a_cpu_and_a_grad_scaler_sees_the_reduced_gradients(runs: tuple[Runs, Path]) -> None:

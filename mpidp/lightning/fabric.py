@@ -214,7 +214,6 @@ class MPIDPFabricStrategy(StrategyCollectives, ParallelStrategy):
             self._collectives = self._mpi = None
 
 
-
 class _NoBackwardSync(_BackwardSyncControl):
     """Fabric's hook for ``fabric.no_backward_sync``: the strategy's own ``no_backward_sync`` (local)."""
 

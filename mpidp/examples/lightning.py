@@ -17,7 +17,7 @@ embeddings, a StepLR schedule, the global gradient norm clipped to 1.0
 
 With ``--exact`` (``MPIDPStrategy(exact=True)``) each micro-batch is folded
 into the window's exact sums, and the hash is the same at 1, 2, 3 or 4 ranks
-(with ``--precision bf16-mixed`` too, ``--overlap thread``: the reduction
+(with ``--precision bf16-mixed`` or ``bf16-true`` too, ``--overlap thread``: the reduction
 during the window's last backward, and ``--sharded``: the optimizer state
 in slices, one per rank). ``--save DIR --stop-after K`` stops after K steps
 and saves ``DIR/step-K`` (``trainer.save_checkpoint``: every rank writes its
@@ -78,10 +78,10 @@ class CharModule(L.LightningModule):
 
 
 def digest(model: torch.nn.Module) -> str:
-    """SHA-256 of every parameter's bytes, in name order."""
+    """SHA-256 of every parameter's bytes, in name order (any dtype: bfloat16 with ``--precision bf16-true``)."""
     h = hashlib.sha256()
     for _, p in sorted(model.named_parameters()):
-        h.update(p.detach().contiguous().numpy().tobytes())
+        h.update(p.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
 

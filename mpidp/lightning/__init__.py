@@ -7,9 +7,10 @@ what both ask of MPI in :mod:`mpidp.lightning.collectives`, the window in
 Needs the ``lightning`` extra (``pip install ".[lightning]"`` from a checkout); docs/lightning.md.
 """
 
+from .checkpoints import StopOnSignal
 from .collectives import MPIDPEnvironment
 from .fabric import MPIDPFabricStrategy
 from .trainer import MPIDPStrategy
 from .window import WEIGHT
 
-__all__ = ["WEIGHT", "MPIDPEnvironment", "MPIDPFabricStrategy", "MPIDPStrategy"]
+__all__ = ["WEIGHT", "MPIDPEnvironment", "MPIDPFabricStrategy", "MPIDPStrategy", "StopOnSignal"]

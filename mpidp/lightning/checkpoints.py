@@ -17,15 +17,19 @@ from __future__ import annotations
 
 import io
 import os
+import signal
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+from lightning.pytorch.callbacks import Callback
 
+from ..checkpoint import StopSignal
 from ..torch import DataParallel
 
-__all__ = ["EXTRA", "load", "save"]
+__all__ = ["EXTRA", "StopOnSignal", "load", "save"]
 
 #: the extra that holds Lightning's own part of a checkpoint (a ``torch.save`` of a dict, as bytes)
 EXTRA = "lightning"
@@ -53,3 +57,44 @@ def load(dp: DataParallel, optimizer: Any, path: str | os.PathLike[str]) -> dict
     checkpoint["state_dict"] = dp.module.state_dict()
     checkpoint["optimizer_states"] = []
     return checkpoint
+
+
+class StopOnSignal(Callback):
+    """A Trainer callback: where any rank gets one of ``signals`` (default SIGUSR1, Slurm's ``--signal``), every rank
+    stops after the same optimizer step, once ``trainer.save_checkpoint(folder / "step-<global step>")`` is written.
+
+    Collective: one small exchange per optimizer step, at the end of the batch
+    that stepped (:class:`mpidp.checkpoint.StopSignal` over the strategy's
+    DataParallel; ``MPIDPStrategy`` only). The handlers are set at the start
+    of ``fit`` and put back at its end (``teardown``). Go on with
+    ``trainer.fit(model, ckpt_path=folder)`` (the folder's newest), at any world size.
+    """
+
+    def __init__(self, folder: str | os.PathLike[str], signals: Iterable[int] = (signal.SIGUSR1,)) -> None:
+        self.folder, self.signals = Path(folder), tuple(signals)
+        self.saved: Path | None = None  # the checkpoint written on the stop, if any
+        self._stop: StopSignal | None = None
+        self._step = 0
+
+    def on_train_start(self, trainer: Any, module: Any) -> None:
+        """Note ``signals`` from now on (local: sets the handlers)."""
+        dp = getattr(trainer.strategy, "dp", None)
+        if not isinstance(dp, DataParallel):  # the same strategy on every rank: the same error on every rank
+            raise TypeError(f"StopOnSignal needs MPIDPStrategy (the ranks agree through its DataParallel), got {type(trainer.strategy).__name__}")
+        self._stop, self._step = StopSignal(dp, self.signals), trainer.global_step
+
+    def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
+        """After a batch that stepped the optimizer: whether any rank got a signal; if so save and stop (collective)."""
+        if self._stop is None or trainer.global_step == self._step:
+            return  # inside a window: the ranks ask once per optimizer step
+        self._step = trainer.global_step
+        if self._stop.requested():
+            self.saved = self.folder / f"step-{trainer.global_step:06d}"
+            trainer.save_checkpoint(self.saved)
+            trainer.should_stop = True
+
+    def teardown(self, trainer: Any, module: Any, stage: str) -> None:
+        """Put back the handlers that were there before (local)."""
+        if self._stop is not None:
+            self._stop.close()
+            self._stop = None

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import io
 import os
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Generator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ import numpy as np
 import torch
 from lightning.fabric.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
 from lightning.fabric.strategies import ParallelStrategy
+from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 
 from ..comm import Communicator, MPIComm, duplicate
@@ -39,20 +41,24 @@ __all__ = ["MPIDPFabricStrategy"]
 class MPIDPFabricStrategy(StrategyCollectives, ParallelStrategy):
     """A Fabric strategy over MPI: one process per rank, mpidp's DataParallel next to the module (collective to use).
 
-    ``comm``, ``exact``, ``sharded``, ``timeout``: as :class:`mpidp.lightning.MPIDPStrategy`'s.
+    ``comm``, ``exact``, ``sharded``, ``overlap``, ``timeout``: as :class:`mpidp.lightning.MPIDPStrategy`'s.
     ``fabric.backward(loss, weight=n)`` takes a loss sum and its token count;
     without ``weight`` the loss is a mean, as under DDP. One module and one
-    optimizer per strategy.
+    optimizer per strategy. ``fabric.no_backward_sync(model, enabled=...)``
+    around a window's micro-batches but the last: with ``overlap`` they only
+    accumulate, and the last one's backward starts the reduction.
     """
 
     def __init__(
-        self, comm: MPIComm | None = None, *, exact: bool = False, sharded: bool = False, timeout: float | None = None,
-        accelerator: Any = None, parallel_devices: list[torch.device] | None = None, checkpoint_io: Any = None,
-        precision: Precision | None = None,
+        self, comm: MPIComm | None = None, *, exact: bool = False, sharded: bool = False, overlap: bool | str = False,
+        timeout: float | None = None, accelerator: Any = None, parallel_devices: list[torch.device] | None = None,
+        checkpoint_io: Any = None, precision: Precision | None = None,
     ) -> None:
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=MPIDPEnvironment(comm),
                          checkpoint_io=checkpoint_io, precision=precision)
-        self.comm, self.exact, self.sharded, self.timeout = comm, exact, sharded, timeout
+        self.comm, self.exact, self.sharded, self.overlap, self.timeout = comm, exact, sharded, overlap, timeout
+        self._backward_sync_control = _NoBackwardSync(self)
+        self._blocked = False  # inside fabric.no_backward_sync(enabled=True): a micro-batch of a window but its last
         self._mpi: Communicator | None = None
         self._collectives: Collectives | None = None
         self.dp: DataParallel | None = None
@@ -93,7 +99,7 @@ class MPIDPFabricStrategy(StrategyCollectives, ParallelStrategy):
         """Build the DataParallel next to ``module`` (collective): every rank's model is checked, root's broadcast."""
         if self.dp is not None:
             self.dp.close()
-        self.dp = DataParallel(module, self.comm, exact=self.exact, timeout=self.timeout, name="lightning-fabric")
+        self.dp = DataParallel(module, self.comm, exact=self.exact, overlap=self.overlap, timeout=self.timeout, name="lightning-fabric")
         return module
 
     def setup_optimizer(self, optimizer: Any) -> Any:
@@ -108,7 +114,8 @@ class MPIDPFabricStrategy(StrategyCollectives, ParallelStrategy):
         """Back-propagate ``tensor``: a loss sum with ``weight`` tokens behind it, or a mean loss (local); folded with exact."""
         self._window.note(None if weight is None else {"weight": weight})
         super().backward(tensor, module, *args, **kwargs)
-        if self.exact and self.dp is not None:
+        # each micro-batch into the window's exact sums; with overlap the last one's .grad goes to reduce as it is
+        if self.exact and self.dp is not None and (self._blocked or self.dp.overlap is None):
             self.dp.fold()
 
     def _reduce(self) -> None:
@@ -143,7 +150,18 @@ class MPIDPFabricStrategy(StrategyCollectives, ParallelStrategy):
         return super().optimizer_step(optimizer, **kwargs)
 
     def no_backward_sync(self, module: Any, enabled: bool) -> AbstractContextManager[None]:
-        return nullcontext()  # backward only accumulates: the reduction runs at the step
+        """What ``fabric.no_backward_sync(model, enabled)`` runs: where enabled, the micro-batches of a window but the last (local)."""
+        return self._no_sync() if enabled else nullcontext()
+
+    @contextmanager
+    def _no_sync(self) -> Generator[None, None, None]:
+        """With ``overlap`` the backward passes inside only accumulate; with ``exact`` each is folded (local)."""
+        self._blocked = True
+        try:
+            with nullcontext() if self.dp is None else self.dp.no_sync():
+                yield
+        finally:
+            self._blocked = False
 
     # ------------------------------------------------------------------ collectives
 
@@ -195,3 +213,12 @@ class MPIDPFabricStrategy(StrategyCollectives, ParallelStrategy):
             self._collectives.close()
             self._collectives = self._mpi = None
 
+
+class _NoBackwardSync(_BackwardSyncControl):
+    """Fabric's hook for ``fabric.no_backward_sync``: the strategy's own ``no_backward_sync`` (local)."""
+
+    def __init__(self, strategy: MPIDPFabricStrategy) -> None:
+        self.strategy = strategy
+
+    def no_backward_sync(self, module: Any, enabled: bool) -> AbstractContextManager[None]:
+        return self.strategy.no_backward_sync(module, enabled)

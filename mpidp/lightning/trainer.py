@@ -223,12 +223,12 @@ class MPIDPStrategy(StrategyCollectives, ParallelStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: str | os.PathLike[str], storage_options: Any = None) -> None:
         """Write ``checkpoint`` as an mpidp checkpoint folder at ``filepath``: each rank its slices (collective)."""
         assert self.dp is not None, "save_checkpoint before setup"
-        checkpoints.save(self.dp, self._optimizer(), checkpoint, filepath)
+        checkpoints.save(self.dp, self._optimizer(loading=False), checkpoint, filepath)
 
     def load_checkpoint(self, checkpoint_path: str | os.PathLike[str], weights_only: bool | None = None) -> dict[str, Any]:
         """Load a checkpoint of any world size into the module and the optimizer; Lightning's part of it (collective)."""
         assert self.dp is not None, "load_checkpoint before setup"
-        return checkpoints.load(self.dp, self._optimizer(), checkpoint_path)
+        return checkpoints.load(self.dp, self._optimizer(loading=True), checkpoint_path)
 
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
         """Nothing: :meth:`load_checkpoint` loaded the parameters and buffers (local)."""
@@ -240,8 +240,16 @@ class MPIDPStrategy(StrategyCollectives, ParallelStrategy):
         if self.is_global_zero:
             shutil.rmtree(Path(filepath), ignore_errors=True)
 
-    def _optimizer(self) -> Any:
-        return self.optimizers[0] if self.optimizers else None
+    def _optimizer(self, loading: bool) -> Any:
+        """The optimizer a checkpoint holds the state of: the fit's, where it steps the module set up now; none to load
+        outside ``fit`` (``validate``, ``test`` and ``predict`` load the module only, as Lightning does) (local)."""
+        trainer = None if self.lightning_module is None else self.lightning_module._trainer
+        if not self.optimizers or (loading and trainer is not None and trainer.state.fn != TrainerFn.FITTING):
+            return None
+        assert self.dp is not None
+        mine = {id(p) for p in self.dp.module.parameters()}
+        opt = self.optimizers[0]  # after fit, validate(another_module) sets that one up: the fit's optimizer is not its
+        return opt if all(id(p) in mine for g in opt.param_groups for p in g["params"]) else None
 
     # ------------------------------------------------------------------ the end
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import signal
 import warnings
 from pathlib import Path
 from typing import Any
@@ -22,7 +24,7 @@ from torch.utils.data import DataLoader
 
 from mpidp import ContractError
 from mpidp.examples import lightning as example
-from mpidp.lightning import MPIDPStrategy
+from mpidp.lightning import MPIDPStrategy, StopOnSignal
 
 DIM, CLASSES, TOKENS = 6, 5, 8
 
@@ -71,11 +73,12 @@ def trainer(strategy: Any, steps: int, accumulate: int = 1, **options: Any) -> L
                      enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False, **options)
 
 
-def reference(kind: str, size: int, steps: int, accumulate: int, clip: float | None) -> Net:
-    """One process: the same windows, the global token mean (sum) or the mean of the ranks' means (mean, as DDP)."""
-    net = Net(kind)
+def reference(kind: str, size: int, steps: int, accumulate: int, clip: float | None, optimizer: str = "adamw", skip: int = 0) -> Net:
+    """One process: the same windows, the global token mean (sum) or the mean of the ranks' means (mean, as DDP); the first
+    ``skip`` windows are not stepped (a GradScaler's windows that overflowed)."""
+    net = Net(kind, optimizer)
     opt = net.configure_optimizers()
-    for w in range(steps):
+    for w in range(skip, steps):
         total = torch.zeros(())
         weight = 0
         for r in range(size):
@@ -98,14 +101,60 @@ def distance(a: torch.nn.Module, b: torch.nn.Module) -> float:
     return max(float((p - q).abs().max()) for p, q in zip(a.parameters(), b.parameters()))
 
 
-def window(kind: str, comm: MPI.Comm, clip: float | None = 0.05) -> dict[str, Any]:
+def window(kind: str, comm: MPI.Comm, clip: float | None = 0.05, optimizer: str = "adamw", skip: int = 0, **options: Any) -> dict[str, Any]:
     """Two windows of two micro-batches: the strategy's parameters against the one-process reference."""
-    net = Net(kind)
+    net = Net(kind, optimizer)
     strategy = MPIDPStrategy(comm)
-    run = trainer(strategy, 2, 2, gradient_clip_val=clip)
+    run = trainer(strategy, 2, 2, gradient_clip_val=clip, **options)
     run.fit(net, data(comm.rank, comm.size, 4))
     strategy.close()
-    return {"steps": run.global_step, "distance": distance(net, reference(kind, comm.size, 2, 2, clip)), "world": run.world_size}
+    plugin = run.precision_plugin
+    return {"steps": run.global_step, "distance": distance(net, reference(kind, comm.size, 2, 2, clip, optimizer, skip)),
+            "world": run.world_size, "digest": example.digest(net), "precision": getattr(plugin, "precision", None),
+            "scale": plugin.scaler.get_scale() if getattr(plugin, "scaler", None) is not None else None}
+
+
+def precisions(comm: MPI.Comm) -> dict[str, Any]:
+    """precision="16-mixed" on a CPU (Lightning runs bf16-mixed), and 16-mixed with a GradScaler (Lightning's MixedPrecision
+    plugin, which runs on a CPU): the reduced gradients are unscaled, the overflowed window skipped on every rank."""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    return {"16-mixed": window("sum", comm, precision="16-mixed"), "bf16-mixed": window("sum", comm, precision="bf16-mixed"),
+            "scaler": window("sum", comm, optimizer="sgd", skip=1, plugins=[MixedPrecision("16-mixed", "cpu")])}
+
+
+class Mixed(Net):
+    """A loss sum with its weight, a mean loss, or a sum with a negative weight, as ``pick(rank, batch index)`` says."""
+
+    def __init__(self, pick: Any) -> None:
+        super().__init__("sum")
+        self.pick = pick
+
+    def training_step(self, batch: Any, i: int) -> Any:
+        x, y = batch[0][0], batch[1][0]
+        kind = self.pick(self.global_rank, i)
+        if kind == "mean":
+            return F.cross_entropy(self.net(x), y.clamp(min=0))
+        return {"loss": F.cross_entropy(self.net(x), y, ignore_index=-100, reduction="sum"), "weight": -1 if kind == "bad" else int((y != -100).sum())}
+
+
+def kinds(comm: MPI.Comm) -> dict[str, Any]:
+    """Two kinds of loss in one window (across the ranks, or on each rank), a bad weight: one ContractError, the same on
+    every rank (the sweep compares them), before any gradient moved: the parameters as they were."""
+    cases = {"across ranks": lambda r, i: "sum" if r == 0 else "mean", "within a window": lambda r, i: ("sum", "mean")[i % 2],
+             "bad weight": lambda r, i: "bad" if r == comm.size - 1 else "sum"}
+    out: dict[str, Any] = {}
+    for name, pick in cases.items():
+        net = Mixed(pick)
+        before = example.digest(net)
+        strategy = MPIDPStrategy(comm)
+        try:
+            trainer(strategy, 2, 2).fit(net, data(comm.rank, comm.size, 4))
+            out[name] = None
+        except ContractError as e:
+            out[name] = {"error": str(e), "untouched": example.digest(net) == before}
+        strategy.close()
+    return out
 
 
 class Manual(Net):
@@ -228,13 +277,17 @@ def collectives(comm: MPI.Comm) -> dict[str, Any]:
 
 
 class Counter(Callback):
-    """A callback with state: how many batches it saw, restored from a checkpoint."""
+    """A callback with state: how many batches it saw, restored from a checkpoint; the parameters' digest at each epoch's end."""
 
     def __init__(self) -> None:
         self.batches = 0
+        self.digests: list[str] = []
 
     def on_train_batch_end(self, *args: Any) -> None:
         self.batches += 1
+
+    def on_train_epoch_end(self, trainer: Any, module: Any) -> None:
+        self.digests.append(example.digest(module))  # before ModelCheckpoint's save: Lightning runs checkpoint callbacks last
 
     def state_dict(self) -> dict[str, Any]:
         return {"batches": self.batches}
@@ -244,19 +297,76 @@ class Counter(Callback):
 
 
 def checkpoints(comm: MPI.Comm, folder: str, resume: bool) -> dict[str, Any]:
-    """ModelCheckpoint every epoch for 2 epochs (save), or fit(ckpt_path=the first epoch's) to 3 epochs (resume), any world size."""
-    net = Net("sum", schedule=True)
+    """ModelCheckpoint every epoch for 2 epochs (save), or fit(ckpt_path=the first epoch's) to 3 epochs (resume), any world size;
+    then validate (save), or validate and test new modules with ckpt_path= the saving run's checkpoints (resume)."""
+    net = Scored("sum", schedule=True)
     strategy = MPIDPStrategy(comm)
     saving = ModelCheckpoint(dirpath=folder, filename="{epoch}", save_top_k=-1, every_n_epochs=1)
     counter = Counter()
     run = trainer(strategy, -1, 1, epochs=3 if resume else 2, checkpointing=True, callbacks=[saving, counter])
     loader = DataLoader([tokens(0, s, 1) for s in range(2)], batch_size=1)  # the same batches on every rank
     run.fit(net, loader, ckpt_path=str(Path(folder) / "epoch=0.ckpt") if resume else None)
-    strategy.close()
     files = sorted(p.name for p in Path(folder).iterdir() if p.name.endswith(".ckpt"))
-    return {"epoch": run.current_epoch, "steps": run.global_step, "batches": counter.batches, "lr": run.optimizers[0].param_groups[0]["lr"],
-            "files": files, "scheduler epoch": run.lr_scheduler_configs[0].scheduler.last_epoch,
-            "digest": example.digest(net), "rank files": len(list((Path(folder) / "epoch=0.ckpt").glob("rank-*")))}
+    out = {"epoch": run.current_epoch, "steps": run.global_step, "batches": counter.batches, "lr": run.optimizers[0].param_groups[0]["lr"],
+           "files": files, "scheduler epoch": run.lr_scheduler_configs[0].scheduler.last_epoch, "digests": counter.digests,
+           "digest": example.digest(net), "rank files": len(list((Path(folder) / "epoch=0.ckpt").glob("rank-*")))}
+    if resume:  # the saving run's checkpoints into new modules: validate on this fit's Trainer, test on a new one
+        out["validate"] = evaluate(run, "validate", Path(folder) / "epoch=1.ckpt", loader)
+        fresh = MPIDPStrategy(comm)
+        out["test"] = evaluate(trainer(fresh, -1), "test", Path(folder) / "epoch=0.ckpt", loader)
+        fresh.close()
+    else:
+        out["validate"] = run.validate(net, loader, verbose=False)[0]["loss"]  # the fit's own last parameters
+    strategy.close()
+    return out
+
+
+class Signals(Net):
+    """Rank ``sender`` sends itself SIGUSR1 in the first training step of epoch 1 (None: no rank does)."""
+
+    def __init__(self, sender: int | None) -> None:
+        super().__init__("sum")
+        self.sender = sender
+
+    def training_step(self, batch: Any, i: int) -> Any:
+        if self.current_epoch == 1 and i == 0 and self.global_rank == self.sender:
+            os.kill(os.getpid(), signal.SIGUSR1)
+        return super().training_step(batch, i)
+
+
+def stop(comm: MPI.Comm, folder: str) -> dict[str, Any]:
+    """StopOnSignal, 4 epochs of one window of 2 micro-batches: the last rank's SIGUSR1 in epoch 1 stops every rank after
+    that window with a checkpoint; fit(ckpt_path=folder) goes on; and a run that no signal stops."""
+    out: dict[str, Any] = {}
+    for name, sender, resume in (("whole", None, False), ("stopped", comm.size - 1, False), ("resumed", None, True)):
+        net = Signals(sender)
+        strategy = MPIDPStrategy(comm)
+        stopping = StopOnSignal(folder)
+        run = trainer(strategy, -1, 2, epochs=4, callbacks=[stopping])
+        run.fit(net, data(comm.rank, comm.size, 2), ckpt_path=folder if resume else None)
+        strategy.close()
+        out[name] = {"steps": run.global_step, "epoch": run.current_epoch, "digest": example.digest(net),
+                     "saved": None if stopping.saved is None else stopping.saved.name}
+    out["rank files"] = len(list((Path(folder) / "step-000002").glob("rank-*")))
+    out["handler"] = signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL  # put back at the end of fit
+    return out
+
+
+class Scored(Net):
+    """A Net with validation and test steps that log the mean loss over the ranks (every rank sees the same batches)."""
+
+    def validation_step(self, batch: Any, _: int) -> None:
+        self.log("loss", F.cross_entropy(self.net(batch[0][0]), batch[1][0].clamp(min=0)), sync_dist=True)
+
+    def test_step(self, batch: Any, i: int) -> None:
+        self.validation_step(batch, i)
+
+
+def evaluate(run: L.Trainer, how: str, path: Path, loader: DataLoader) -> dict[str, Any]:
+    """``run.validate`` or ``run.test`` of a new module with ``ckpt_path=path``: the loaded parameters' digest and the logged loss."""
+    net = Scored("sum", schedule=True)
+    loss = getattr(run, how)(net, loader, ckpt_path=str(path), verbose=False)[0]["loss"]
+    return {"digest": example.digest(net), "loss": loss}
 
 
 def fabric(comm: MPI.Comm, folder: str) -> dict[str, Any]:
@@ -292,6 +402,35 @@ def fabric(comm: MPI.Comm, folder: str) -> dict[str, Any]:
         out[f"loaded sharded={shard}"] = [example.digest(net) == before, state["windows"], sorted(rest)]
         out["world"] = f.world_size
         strategy.close()
+    return {**out, **fabric_overlap(comm)}
+
+
+def fabric_overlap(comm: MPI.Comm) -> dict[str, Any]:
+    """exact=True, plain and overlap="thread": fabric.no_backward_sync around each window's first micro-batch; the same bits."""
+    from lightning.fabric import Fabric
+
+    from mpidp.lightning import MPIDPFabricStrategy
+
+    out: dict[str, Any] = {}
+    for overlap in (False, "thread"):
+        strategy = MPIDPFabricStrategy(comm, exact=True, overlap=overlap)
+        f = Fabric(strategy=strategy, accelerator="cpu", devices=1)
+        f.launch()
+        net = Net("sum")
+        model, opt = f.setup(net.net, net.configure_optimizers())
+        with warnings.catch_warnings(record=True) as warned:
+            warnings.simplefilter("always")
+            for w in range(2):
+                for j in range(2):
+                    x, y = tokens(comm.rank, 2 * w + j, comm.size)
+                    with f.no_backward_sync(model, enabled=j == 0):
+                        f.backward(F.cross_entropy(model(x), y, ignore_index=-100, reduction="sum"), weight=int((y != -100).sum()))
+                opt.step()
+                opt.zero_grad()
+        out[f"overlap={overlap}"] = {"digest": example.digest(net), "distance": distance(net, reference("sum", comm.size, 2, 2, None)),
+                                     "mode": strategy.dp.overlap if strategy.dp is not None else "none",
+                                     "warned": sorted({str(m.message)[:60] for m in warned if "synchroniz" in str(m.message)})}
+        strategy.close()
     return out
 
 
@@ -308,6 +447,7 @@ def main(argv: list[str], comm: MPI.Comm | None = None) -> str:
     runs = {
         "sum": lambda: window("sum", comm), "mean": lambda: window("mean", comm), "manual": lambda: manual(comm), "ddp": lambda: ddp(comm),
         "mean-params": lambda: mean_params(comm), "sharded": lambda: sharded(comm), "refused": lambda: refused(comm),
+        "precisions": lambda: precisions(comm), "kinds": lambda: kinds(comm), "stop": lambda: stop(comm, rest[0]),
         "collectives": lambda: collectives(comm), "save": lambda: checkpoints(comm, rest[0], False),
         "resume": lambda: checkpoints(comm, rest[0], True), "fabric": lambda: fabric(comm, rest[0]),
     }

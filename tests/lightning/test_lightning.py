@@ -28,6 +28,8 @@ PLAN: list[tuple[Any, int, list[str]]] = [
     ("saved", 4, [*EXACT, "--save", "ckpt", "--stop-after", "2"]),
     ("resumed", 3, [*EXACT, "--resume", "ckpt"]),
     *((("bf16", n), n, ["example", "--exact", "--steps", "2", "--precision", "bf16-mixed"]) for n in (1, 2)),
+    # 2 ranks first: a process's first bfloat16 step costs seconds, and so ranks 0 and 1 pay it side by side
+    *((("bf16-true", n), n, ["example", "--exact", "--steps", "1", "--precision", "bf16-true", "--context", "16"]) for n in (2, 1)),
     *((("sharded", n), n, ["example", "--exact", "--steps", "2", "--sharded"]) for n in (1, 3)),
     ("sharded-saved", 3, ["example", "--exact", "--steps", "2", "--sharded", "--save", "sharded-ckpt", "--stop-after", "1"]),
     ("sharded-resumed", 2, ["example", "--exact", "--steps", "2", "--sharded", "--resume", "sharded-ckpt"]),
@@ -40,9 +42,12 @@ PLAN: list[tuple[Any, int, list[str]]] = [
     ("mean-params", 4, ["mean-params"]),
     ("sharded-optimizer", 3, ["sharded"]),
     ("refused", 2, ["refused"]),
+    ("kinds", 3, ["kinds"]),
+    ("precisions", 2, ["precisions"]),
     *((("collectives", n), n, ["collectives"]) for n in (1, 4)),
     ("save", 4, ["save", "model-ckpt"]),
     ("resume", 2, ["resume", "model-ckpt"]),
+    ("stop", 2, ["stop", "stop-ckpt"]),
     ("fabric", 3, ["fabric", "fabric-ckpt"]),
 ]
 Runs = dict[Any, Any]
@@ -83,6 +88,39 @@ def test_bf16_mixed_and_sharded_runs_are_the_same_at_every_world_size(runs: tupl
     done, _ = runs
     assert done["bf16", 1] == done["bf16", 2] != done["whole", 1]
     assert done["sharded", 1] == done["sharded", 3] == done["sharded-resumed"] != done["sharded-saved"]
+
+
+def test_bf16_true_gives_the_same_bits_at_every_world_size(runs: tuple[Runs, Path]) -> None:
+    """precision="bf16-true": bfloat16 parameters and gradients, reduced in float32 (one step of 12 micro-batches, 12 or 6 per
+    rank; short sentences, as bfloat16 matmuls are slow on a CPU)."""
+    done, _ = runs
+    assert done["bf16-true", 1] == done["bf16-true", 2]  # without exact=True they differ (bfloat16 .grad sums of other lengths)
+
+
+def test_16_mixed_runs_as_bf16_mixed_on_a_cpu_and_a_grad_scaler_sees_the_reduced_gradients(runs: tuple[Runs, Path]) -> None:
+    """precision="16-mixed" on a CPU is Lightning's bf16-mixed; Lightning's MixedPrecision("16-mixed", "cpu") plugin runs
+    fp16 autocast with a GradScaler: its unscale, inf check and skip act on the reduced gradients, alike on every rank."""
+    found = runs[0]["precisions"]
+    assert found["16-mixed"]["precision"] == "bf16-mixed" and found["16-mixed"]["digest"] == found["bf16-mixed"]["digest"]
+    assert found["bf16-mixed"]["distance"] < 3e-3 and found["bf16-mixed"]["steps"] == 2  # against one float32 process
+    scaled = found["scaler"]
+    assert scaled["precision"] == "16-mixed" and scaled["steps"] == 2
+    assert scaled["scale"] == 2.0**15  # the first window overflowed at 2**16: skipped on every rank, the scale halved once
+    assert scaled["distance"] < 2e-3, scaled  # against one float32 process (SGD) that skips the first window
+
+
+def test_a_loss_sum_and_a_mean_loss_in_one_window_are_one_error_on_every_rank(runs: tuple[Runs, Path]) -> None:
+    """Across the ranks (rank 0 a sum, the others a mean), on each rank (a sum, then a mean), a negative weight on one rank."""
+    found = runs[0]["kinds"]  # the same text on every rank: the sweep compared them
+    assert found["across ranks"]["error"] == (
+        "MPIDPStrategy, the window: ranks' training steps returned different kinds of loss (rank 0: a loss sum with a weight, "
+        "rank 1: a mean loss, rank 2: a mean loss): every rank returns a 'weight' or none does")
+    within = found["within a window"]["error"]
+    assert within.startswith("MPIDPStrategy, the window: rank 0: training steps of one window returned a 'weight' (a loss sum) and a mean loss")
+    assert within.count("and a mean loss: return one kind") == 3 and "rank 2:" in within, within
+    assert found["bad weight"]["error"] == (
+        "MPIDPStrategy, the window: rank 2: 'weight' must be a non-negative integer or an integer tensor of one element, got -1")
+    assert all(case["untouched"] for case in found.values()), found  # refused before any gradient moved: no step
 
 
 def test_a_loss_sum_and_its_weight_give_the_global_token_mean_with_uneven_and_empty_ranks(runs: tuple[Runs, Path]) -> None:
@@ -141,6 +179,28 @@ def test_model_checkpoint_resumes_at_another_world_size_with_lightning_s_state(r
     assert checkpoint.latest(folder / "model-ckpt") is not None
 
 
+def test_stop_on_signal_stops_every_rank_after_one_step_and_saves(runs: tuple[Runs, Path]) -> None:
+    """StopOnSignal at 2 ranks, 4 epochs of one window: the last rank's SIGUSR1 in epoch 1 (as Slurm's --signal through the
+    template's trap) stops both ranks after that window, saved; the resumed fit ends with the bits of a run never stopped."""
+    done, folder = runs
+    found = done["stop"]
+    assert (found["stopped"]["steps"], found["stopped"]["saved"], found["rank files"]) == (2, "step-000002", 2)
+    assert found["whole"]["steps"] == found["resumed"]["steps"] == 4 and found["whole"]["saved"] is None
+    assert found["resumed"]["digest"] == found["whole"]["digest"] != found["stopped"]["digest"]
+    assert checkpoint.latest(folder / "stop-ckpt") == folder / "stop-ckpt" / "step-000002" and found["handler"]
+
+
+def test_validate_and_test_load_a_model_checkpoint_of_another_world_size(runs: tuple[Runs, Path]) -> None:
+    """At 2 ranks, into new modules: validate(ckpt_path=epoch 1's) on the resumed fit's Trainer, test(ckpt_path=epoch 0's) on a
+    new Trainer; ModelCheckpoint wrote both at 4 ranks. The saving fit's parameters at each epoch's end, and its own validate."""
+    done, _ = runs
+    saved, resumed = done["save"], done["resume"]
+    assert len(set(saved["digests"])) == 2 and saved["digests"][1] == saved["digest"]
+    assert resumed["validate"]["digest"] == saved["digests"][1] and resumed["test"]["digest"] == saved["digests"][0]
+    assert resumed["validate"]["loss"] == pytest.approx(saved["validate"], rel=1e-6)  # the mean over the ranks of one loss
+    assert resumed["test"]["loss"] != resumed["validate"]["loss"]
+
+
 def test_fabric_strategy_gives_the_token_mean_clips_and_saves(runs: tuple[Runs, Path]) -> None:
     """fabric.backward(loss_sum, weight=n) over uneven ranks, clip_gradients, step; replicated and sharded; save, zero, load."""
     found = runs[0]["fabric"]
@@ -148,3 +208,13 @@ def test_fabric_strategy_gives_the_token_mean_clips_and_saves(runs: tuple[Runs, 
     for shard in (False, True):
         assert found[f"distance sharded={shard}"] < 1e-6, found
         assert found[f"loaded sharded={shard}"] == [True, 2, []], found  # the parameters back, "windows" restored in place
+
+
+def test_fabric_overlap_gives_the_plain_exact_bits_with_no_backward_sync(runs: tuple[Runs, Path]) -> None:
+    """MPIDPFabricStrategy(exact=True, overlap="thread") at 3 ranks: fabric.no_backward_sync(model, enabled=...) around each
+    window's first micro-batch (no "does not support" warning), the last one's backward reduces on the thread."""
+    found = runs[0]["fabric"]
+    plain, overlapped = found["overlap=False"], found["overlap=thread"]
+    assert plain["mode"] is None and overlapped["mode"] == "thread"
+    assert overlapped["digest"] == plain["digest"] and plain["distance"] < 1e-6, found
+    assert plain["warned"] == overlapped["warned"] == [], found

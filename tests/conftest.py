@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import faulthandler
 import importlib.util
+import io
 import json
 import os
 import shutil
@@ -207,6 +208,21 @@ def clean_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(prefixes)}
     env.update(extra)
     return env
+
+
+def checkpoint_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    """``python -m mpidp.checkpoint ARGS``: a process of its own in a world of one, as a user runs it; in a larger world
+    (one rank runs it while the others wait) its ``main`` here, on the same files, without a process that imports
+    NumPy and MPI anew while the waiting ranks spin (it uses no MPI: what the world adds is the files it reads)."""
+    if MPI.COMM_WORLD.Get_size() == 1:
+        command = [sys.executable, "-m", "mpidp.checkpoint", *args]
+        return subprocess.run(command, check=False, capture_output=True, text=True, timeout=120, env=clean_env())
+    from mpidp.checkpoint.__main__ import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(list(args))
+    return subprocess.CompletedProcess(["mpidp.checkpoint.__main__.main", *args], code, out.getvalue(), err.getvalue())
 
 
 def snapshot(arrays: dict[str, Any]) -> dict[str, bytes]:

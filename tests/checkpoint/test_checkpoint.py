@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import clean_env, first_ranks, same_error_everywhere, snapshot
+from conftest import checkpoint_cli, clean_env, first_ranks, same_error_everywhere, snapshot
 from mpi4py import MPI
 from replicas import model
 
@@ -145,12 +145,12 @@ def test_export_writes_one_plain_file(comm: MPI.Comm, folder: Path) -> None:
     dp.close()
     if comm.rank == 0:
         out = folder / "model.safetensors"
-        done = subprocess.run([sys.executable, "-m", "mpidp.checkpoint", "export", str(folder), str(out)], check=False, capture_output=True, text=True, timeout=120, env=clean_env())
+        done = checkpoint_cli("export", str(folder), str(out))
         assert done.returncode == 0, done.stderr
         plain = load_file(str(out))
         assert sorted(plain) == sorted(params)
         assert all(plain[k].tobytes() == params[k].tobytes() and plain[k].dtype == params[k].dtype for k in params)
-        info = subprocess.run([sys.executable, "-m", "mpidp.checkpoint", "info", str(path)], check=False, capture_output=True, text=True, timeout=120, env=clean_env())
+        info = checkpoint_cli("info", str(path))
         assert f"written by {comm.size} ranks" in info.stdout, info
 
 

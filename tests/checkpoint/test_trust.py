@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import clean_env, first_ranks, same_error_everywhere
+from conftest import checkpoint_cli, clean_env, first_ranks, same_error_everywhere
 from mpi4py import MPI
 
 torch = pytest.importorskip("torch")
@@ -216,7 +216,7 @@ def test_names_that_leave_the_folder_are_refused_before_anything_is_opened(comm:
     assert digest(model, opt) == before
     if comm.rank == 0:
         for args in (["info", str(path)], ["export", str(path), str(folder / "out.safetensors")], ["export", str(folder), str(folder / "o")]):
-            done = subprocess.run([sys.executable, "-m", "mpidp.checkpoint", *args], check=False, capture_output=True, text=True, timeout=120, env=clean_env())
+            done = checkpoint_cli(*args)
             assert done.returncode == 2 and "Traceback" not in done.stderr and "12345" not in done.stderr, done.stderr
         with pytest.raises(ValueError, match="field 'files'"):
             checkpoint.consolidate(str(path))
@@ -260,7 +260,7 @@ def test_a_refused_load_changes_nothing(comm: MPI.Comm, folder: Path) -> None:
         same_error_everywhere(comm, lambda: dp.load_checkpoint(path, opt), ContractError, field)
         assert digest(model, opt) == before
         if comm.rank == 0:
-            done = subprocess.run([sys.executable, "-m", "mpidp.checkpoint", "export", str(path), str(folder / "o")], check=False, capture_output=True, text=True, timeout=120, env=clean_env())
+            done = checkpoint_cli("export", str(path), str(folder / "o"))
             assert done.returncode == (0 if field == "step counts" else 2) and "Traceback" not in done.stderr, done.stderr  # export reads no optimizer
         comm.Barrier()
     dp.close()

@@ -17,8 +17,7 @@ from __future__ import annotations
 
 import io
 import os
-from collections.abc import Generator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -58,7 +57,6 @@ class MPIDPFabricStrategy(StrategyCollectives, ParallelStrategy):
                          checkpoint_io=checkpoint_io, precision=precision)
         self.comm, self.exact, self.sharded, self.overlap, self.timeout = comm, exact, sharded, overlap, timeout
         self._backward_sync_control = _NoBackwardSync(self)
-        self._blocked = False  # inside fabric.no_backward_sync(enabled=True): a micro-batch of a window but its last
         self._mpi: Communicator | None = None
         self._collectives: Collectives | None = None
         self.dp: DataParallel | None = None
@@ -114,9 +112,7 @@ class MPIDPFabricStrategy(StrategyCollectives, ParallelStrategy):
         """Back-propagate ``tensor``: a loss sum with ``weight`` tokens behind it, or a mean loss (local); folded with exact."""
         self._window.note(None if weight is None else {"weight": weight})
         super().backward(tensor, module, *args, **kwargs)
-        # each micro-batch into the window's exact sums; with overlap the last one's .grad goes to reduce as it is
-        if self.exact and self.dp is not None and (self._blocked or self.dp.overlap is None):
-            self.dp.fold()
+        self._window.backward_done(self.dp, self.exact)
 
     def _reduce(self) -> None:
         """End the window: reduce every ``.grad`` to the global mean, once (collective)."""
@@ -151,17 +147,7 @@ class MPIDPFabricStrategy(StrategyCollectives, ParallelStrategy):
 
     def no_backward_sync(self, module: Any, enabled: bool) -> AbstractContextManager[None]:
         """What ``fabric.no_backward_sync(model, enabled)`` runs: where enabled, the micro-batches of a window but the last (local)."""
-        return self._no_sync() if enabled else nullcontext()
-
-    @contextmanager
-    def _no_sync(self) -> Generator[None, None, None]:
-        """With ``overlap`` the backward passes inside only accumulate; with ``exact`` each is folded (local)."""
-        self._blocked = True
-        try:
-            with nullcontext() if self.dp is None else self.dp.no_sync():
-                yield
-        finally:
-            self._blocked = False
+        return self._window.micro_batches(self.dp) if enabled else nullcontext()
 
     # ------------------------------------------------------------------ collectives
 

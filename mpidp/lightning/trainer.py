@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 import shutil
 from collections.abc import Callable, Generator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -64,7 +64,6 @@ class MPIDPStrategy(StrategyCollectives, ParallelStrategy):
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=MPIDPEnvironment(comm),
                          checkpoint_io=checkpoint_io, precision_plugin=precision_plugin)
         self.comm, self.exact, self.sharded, self.overlap, self.timeout = comm, exact, sharded, overlap, timeout
-        self._blocked = False  # inside Lightning's block_backward_sync: a micro-batch of a window but its last
         self._refused = sorted(ddp_options)
         self._mpi: Communicator | None = None
         self._collectives: Collectives | None = None
@@ -174,19 +173,13 @@ class MPIDPStrategy(StrategyCollectives, ParallelStrategy):
         return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     def post_backward(self, closure_loss: torch.Tensor) -> None:
-        # each micro-batch into the window's exact sums; with overlap the last one's .grad goes to reduce as it is
-        if self.exact and self.dp is not None and (self._blocked or self.dp.overlap is None):
-            self.dp.fold()
+        self._window.backward_done(self.dp, self.exact)
 
     @contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:
         """Lightning's context for the micro-batches of a window but the last: with ``overlap`` they only accumulate (local)."""
-        self._blocked = True
-        try:
-            with nullcontext() if self.dp is None else self.dp.no_sync():
-                yield
-        finally:
-            self._blocked = False
+        with self._window.micro_batches(self.dp):
+            yield
 
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         """Run the window's closure, reduce (or step the sharded optimizer), clip, step (collective)."""

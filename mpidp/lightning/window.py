@@ -11,7 +11,8 @@ ranks agree on the kind before any gradient moves.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Generator, Mapping
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -33,6 +34,23 @@ class Window:
     def __init__(self) -> None:
         self.weights: list[Any] = []
         self.kinds: set[bool] = set()  # True: a step returned a weight; False: one returned a mean loss
+        self.blocked = False  # inside micro_batches: a micro-batch of the window but its last
+
+    @contextmanager
+    def micro_batches(self, dp: DataParallel | None) -> Generator[None, None, None]:
+        """The micro-batches of the window but its last (local): with ``overlap`` their backward passes only accumulate."""
+        self.blocked = True
+        try:
+            with nullcontext() if dp is None else dp.no_sync():
+                yield
+        finally:
+            self.blocked = False
+
+    def backward_done(self, dp: DataParallel | None, exact: bool) -> None:
+        """After a micro-batch's backward (local): with ``exact`` it is folded into the window's exact sums, but
+        the last one's under ``overlap``, whose ``.grad`` goes to the reduction as it is."""
+        if exact and dp is not None and (self.blocked or dp.overlap is None):
+            dp.fold()
 
     def note(self, output: Any) -> bool:
         """Count a training step's ``output``; True where it carries a :data:`WEIGHT` (a loss sum) (local)."""

@@ -15,17 +15,17 @@ from typing import Any
 import numpy as np
 
 __all__ = [
-    "FLOATING", "ArrayInfo", "bfloat16", "describe", "empty_like", "fingerprint", "flat_zeros", "host_bytes", "synchronize", "to_host", "view",
+    "FLOATING", "ArrayInfo", "bfloat16", "describe", "dtype_name", "empty_like", "fingerprint", "flat_zeros", "host_bytes", "synchronize", "to_host", "view",
     "write_device", "zeros_like",
 ]
-
 
 
 @functools.cache
 def bfloat16() -> np.dtype:
     """ml_dtypes' bfloat16, imported on first use: ml_dtypes 0.7's import takes about a second of CPU, in every rank.
 
-    Until a process has imported ml_dtypes, none of its arrays is bfloat16, so the checks compare dtype names.
+    Until a process has imported ml_dtypes, none of its arrays is bfloat16, so the checks compare dtype names
+    (:func:`dtype_name`).
     """
     import ml_dtypes
 
@@ -78,8 +78,8 @@ def _backend(x: Any) -> str | None:
 _DTYPE_NAMES: dict[Any, str] = {}
 
 
-def _dtype_name(dtype: Any) -> str:
-    """A NumPy dtype's name, cached (``dtype.name`` runs Python code in NumPy)."""
+def dtype_name(dtype: Any) -> str:
+    """A NumPy dtype's name, cached (``dtype.name`` runs Python code in NumPy: 1-5 us, against 0.1-0.2 here)."""
     name = _DTYPE_NAMES.get(dtype)
     if name is None:
         # a non-native byte order is named by its code ('>f4'), which no check accepts
@@ -96,7 +96,7 @@ def describe(x: Any) -> ArrayInfo | None:
         dtype = str(x.dtype).removeprefix("torch.")
         device = "cpu" if x.device.type == "cpu" else f"{x.device.type}:{x.device.index or 0}"
         return ArrayInfo("torch", dtype, tuple(x.shape), device)
-    dtype = _dtype_name(x.dtype)
+    dtype = dtype_name(x.dtype)
     if backend == "cupy":
         return ArrayInfo("cupy", dtype, tuple(x.shape), f"cuda:{x.device.id}")
     return ArrayInfo("numpy", dtype, x.shape, "cpu")

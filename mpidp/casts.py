@@ -31,6 +31,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from .arrays import dtype_name
+
 __all__ = ["DEFAULT", "MIN_BITS", "MIN_FAST", "MODES", "Casts", "Divisor", "divide", "divisor"]
 
 #: values of ``MPIDP_CASTS``: ``auto`` (torch's when imported, else numba's when installed, else
@@ -152,7 +154,7 @@ class Casts:
                 else:
                     kernels.bf16_to_f32(src.view(np.uint16), dst.view(np.uint32))
                 return
-        if src.dtype.name == "bfloat16" and src.size >= MIN_BITS:
+        if dtype_name(src.dtype) == "bfloat16" and src.size >= MIN_BITS:
             bf16_to_f32(src, dst)
         elif src.dtype == np.float16 and src.size >= MIN_BITS:
             f16_to_f32(src, dst)
@@ -183,7 +185,7 @@ class Casts:
         if kernels is not None:  # the division and the cast in one pass
             cast = kernels.f32_to_f16 if dst.dtype == np.float16 else kernels.f32_to_bf16
             cast(src, dst.view(np.uint16), operand, multiply)
-        elif dst.dtype.name == "bfloat16" and src.size >= MIN_BITS:
+        elif dtype_name(dst.dtype) == "bfloat16" and src.size >= MIN_BITS:
             if not scratch:
                 scratch.append(np.empty(BLOCK, np.uint32))
             for lo in range(0, src.size, BLOCK):
@@ -203,7 +205,7 @@ DEFAULT = Casts()
 
 def _tensor(torch: Any, a: np.ndarray) -> Any:
     """A tensor sharing the memory of host array ``a`` (bfloat16 through its bits)."""
-    if a.dtype.name == "bfloat16":
+    if dtype_name(a.dtype) == "bfloat16":
         return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
     return torch.from_numpy(a)
 

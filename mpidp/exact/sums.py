@@ -45,6 +45,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from ..arrays import dtype_name
 from ..casts import Casts
 from . import numpy_passes as _NumPy  # the last resort: NumPy's forms of the passes
 
@@ -373,7 +374,7 @@ def measured(values: Any, passes: Any = None) -> Measured:
     """
     k = kernels() if passes is None else passes
     x = np.asarray(values)
-    if x.dtype.name in _SIXTEEN and x.size:
+    if dtype_name(x.dtype) in _SIXTEEN and x.size:
         src = np.ascontiguousarray(x).reshape(-1)
         x = np.empty(src.size, np.float32)
         _CASTS.get(k, _CASTS[_NumPy]).upcast(x, src)
@@ -389,7 +390,7 @@ def measured(values: Any, passes: Any = None) -> Measured:
     return np.where(finite, x, np.float32(0)), e, np.where(finite, np.float32(0), exact)
 
 
-_SIXTEEN = ("float16", "bfloat16")  # by name: bfloat16 is ml_dtypes' (mpidp.arrays.bfloat16)
+_SIXTEEN = ("float16", "bfloat16")  # by name (mpidp.arrays.dtype_name): bfloat16 is ml_dtypes', imported lazily
 #: per passes, the 16-bit upcasts of the same family (filled as routes are first chosen)
 _CASTS: dict[Any, Casts] = {_NumPy: Casts("numpy")}
 #: the compiled passes once imported; False where numba is absent or they failed to build (a fact of the process)

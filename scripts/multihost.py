@@ -22,6 +22,7 @@ or 77 with ``--strict-skip``.
 
     multihost.py run [--hosts N] [--ppn K] [--rate 10gbit [--delay 25us]] [--timeout S] -- CMD ...
     multihost.py test [options] -- [N_HOSTS] [pytest args ...]   # what scripts/test-multihost runs
+    multihost.py check   # exit 0 where hosts can be made here, else 77 with the reason (scripts/test asks)
 
 Standard library only; run with the Python of the virtual environment whose
 mpiexec and mpi4py the job uses (it looks for mpiexec next to sys.executable,
@@ -354,11 +355,16 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--netmod", choices=("ucx", "ofi"), default="ucx",
                        help="MPICH netmod that carries inter-host traffic over TCP (default ucx)")
         p.add_argument("--strict-skip", action="store_true", help="exit 77 instead of 0 where hosts cannot be made")
+    sub.add_parser("check", help="exit 0 where hosts can be made here, else say why and exit 77")
     sub.choices["run"].add_argument("--hosts", type=int, default=2)
     sub.choices["run"].add_argument("command", nargs=argparse.REMAINDER)
     sub.choices["test"].add_argument("rest", nargs=argparse.REMAINDER, help="[N_HOSTS] [pytest args]")
     opts = parser.parse_args(argv)
 
+    if opts.what == "check":
+        reason = why_not()
+        print(f"multihost: {'hosts can be made here' if reason is None else f'cannot make hosts here: {reason}'}", flush=True)
+        return 0 if reason is None else SKIPPED
     if opts.what == "run":
         command = opts.command[1:] if opts.command[:1] == ["--"] else opts.command
         if not command:

@@ -202,6 +202,11 @@ def test_script_prints_the_hosts_and_removes_everything(driver: ModuleType) -> N
     assert "hosts: mpdh-h0 mpdh-h0 mpdh-h1 mpdh-h1" in p.stdout, p.stdout
     assert re.search(r"\b1 passed", p.stdout), p.stdout
     _assert_removed(p.stdout)
+    check = subprocess.run([sys.executable, str(ROOT / "scripts" / "multihost.py"), "check"], capture_output=True, text=True,
+                           timeout=60, env=clean_env(), check=False)  # scripts/test: the hosts pass runs the transport tests
+    assert (check.returncode, check.stdout) == (0, "multihost: hosts can be made here\n"), check
+    left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
+    assert "-probe" not in left, left  # its one trial namespace
 
 
 @serial
@@ -309,6 +314,9 @@ def test_skips_with_the_reason_where_hosts_cannot_be_made() -> None:
                            env=env, timeout=60, check=False)
         assert p.returncode == expected, p
         assert re.fullmatch(r"multihost: skipped: needs (root|`ip` on PATH).*\n", p.stdout), p.stdout
+    # what scripts/test asks before its transport pass: 77 and the reason here, 0 where hosts can be made
+    p = subprocess.run([sys.executable, script, "check"], capture_output=True, text=True, env=env, timeout=60, check=False)
+    assert p.returncode == 77 and re.fullmatch(r"multihost: cannot make hosts here: needs (root|`ip` on PATH).*\n", p.stdout), p
     if os.geteuid() == 0 and Path("/usr/bin/setpriv").exists():
         # an ordinary user may not reach the checkout (a clone under /root, a 0700 temporary directory), nor the
         # virtual environment in it: a world-readable copy of the script (standard library only), run by the

@@ -15,6 +15,8 @@ thread per rank:
 * ``mpidp``: ``MPIDPStrategy()`` (the reduction after backward, before the step);
 * ``mpidp_sharded``: ``MPIDPStrategy(sharded=True)`` (the AdamW becomes mpidp's sharded one);
 * ``mpidp_thread``: ``MPIDPStrategy(overlap="thread")`` (a communication thread sums buckets during backward);
+* ``mpidp_hooks``: ``MPIDPStrategy(overlap="hooks")`` (the gradient hooks start and progress non-blocking sums of
+  the buckets during backward, no thread);
 * ``ddp_gloo``: ``DDPStrategy(process_group_backend="gloo")`` with Lightning's own
   ``MPIEnvironment`` (ranks from MPI; DDP's 25 MiB buckets reduced during backward).
 
@@ -41,7 +43,8 @@ from typing import Any
 
 from torch_distributed import run  # one job under mpiexec, its RESULT line (benchmarks/ is the script's folder)
 
-VARIANTS = ("mpidp", "ddp_gloo", "mpidp_sharded", "mpidp_thread")
+VARIANTS = ("mpidp", "ddp_gloo", "mpidp_sharded", "mpidp_thread", "mpidp_hooks")
+OVERLAP = {"mpidp_thread": "thread", "mpidp_hooks": "hooks"}
 
 
 def step_job(variant: str, steps: int, warmup: int) -> dict[str, Any]:
@@ -84,7 +87,7 @@ def step_job(variant: str, steps: int, warmup: int) -> dict[str, Any]:
     if variant == "ddp_gloo":
         strategy: Any = DDPStrategy(process_group_backend="gloo", cluster_environment=MPIEnvironment())
     else:
-        strategy = MPIDPStrategy(sharded=variant == "mpidp_sharded", overlap="thread" if variant == "mpidp_thread" else False)
+        strategy = MPIDPStrategy(sharded=variant == "mpidp_sharded", overlap=OVERLAP.get(variant, False))
     g = torch.Generator().manual_seed(MPI.COMM_WORLD.Get_rank())
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randint(0, 32000, (warmup + steps, 32), generator=g)), batch_size=1)
     clock, model = Clock(), GPT()

@@ -31,6 +31,7 @@ LIBRARY_VARIABLES = (
 #: the ``MPIDP_`` variables of the project's scripts, tests and benchmarks: set legitimately, never warned about
 TOOL_VARIABLES = (
     "MPIDP_VENV",  # scripts/venv.sh, scripts/slurm/train.sbatch
+    "MPIDP_INSTALLER",  # scripts/venv.sh: uv or pip
     "MPIDP_WHEELS",  # scripts/gpu-check
     "MPIDP_PREFIX",  # scripts/gpu-check
     "MPIDP_RANKS",  # scripts/demo, scripts/gpu-check

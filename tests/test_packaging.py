@@ -8,6 +8,7 @@ first run. These tests start their own MPI jobs, so they run in the serial pass 
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import signal
 import subprocess
@@ -48,7 +49,9 @@ def checked(argv: list[str], cwd: Path, timeout: float, env: dict[str, str] | No
 def dist(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """``python -m build`` of the checkout: the sdist, and the wheel built from it."""
     out = tmp_path_factory.mktemp("dist")
-    checked([sys.executable, "-m", "build", "--outdir", str(out), str(ROOT)], ROOT, 300)
+    # the build environments made by uv where scripts/venv.sh installed it (3 s instead of pip's 7; the same wheel)
+    installer = ["--installer", "uv"] if importlib.util.find_spec("uv") is not None else []
+    checked([sys.executable, "-m", "build", *installer, "--outdir", str(out), str(ROOT)], ROOT, 300)
     (sdist,) = out.glob("mpidp-*.tar.gz")
     (wheel,) = out.glob("mpidp-*-py3-none-any.whl")
     return {"sdist": sdist, "wheel": wheel}

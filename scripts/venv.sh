@@ -2,15 +2,15 @@
 # Create or refresh the local virtual environment (.venv, or $MPIDP_VENV) and
 # install this checkout into it the way a user does: an editable install,
 # `pip install -e ".[EXTRAS]"` with the extras named in "$@" (setup.cfg lists
-# them). Sourced
-# by scripts/demo and scripts/test; run it directly to set up by hand.
+# them). Sourced by scripts/demo and scripts/test; run it directly to set up
+# by hand.
 # PyTorch is pinned to torch==2.13.0 here: the range in setup.cfg would pull
 # the newest CUDA build and its nvidia packages, several GB. A torch 2.13.0
 # already in the environment (e.g. the CPU build, docs/install.md) is kept.
 # The installer runs again only when setup.cfg, pyproject.toml, the version
 # or the extras change. uv (from the registry pip uses, into the venv) does the
 # install with pip's own settings (indexes, find-links, constraints, cert) and
-# compiles the bytecode on every core: about 45 s on a fresh 2-core machine
+# compiles the bytecode on every core: 40-60 s on a fresh 2-core machine
 # where pip takes 100 s. Where uv cannot, or with MPIDP_INSTALLER=pip, pip does.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -35,9 +35,12 @@ fi
 for extra in "$@"; do
   case " ${have[*]} " in *" $extra "*) ;; *) missing=1 ;; esac
 done
+pip_install() {  # pip install, quiet, its status (the venv's scripts dir warning filtered out)
+  "$py" -m pip install -q --disable-pip-version-check "$@" 2>&1 | grep -v "^WARNING: Location" >&2
+  return "${PIPESTATUS[0]}"
+}
 uv_install() {  # uv into the venv, then uv installs the requirements with pip's settings (uv reads neither pip's files nor PIP_*)
-  "$py" -m pip install -q --disable-pip-version-check uv 2>&1 | grep -v "^WARNING: Location" >&2
-  [ "${PIPESTATUS[0]}" = 0 ] || return 1
+  pip_install uv || return 1
   "$py" - "$venv/bin/uv" -e "${requirements[@]}" <<'PY'
 import ast, os, subprocess, sys
 listed = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True).stdout
@@ -82,8 +85,8 @@ PY
     [ "$status" = 0 ] || echo "mpidp: uv could not install (exit $status); pip installs instead" >&2
   fi
   if [ "$status" != 0 ]; then
-    "$py" -m pip install -q --disable-pip-version-check -e "${requirements[@]}" 2>&1 | grep -v "^WARNING: Location" >&2
-    status=${PIPESTATUS[0]}
+    pip_install -e "${requirements[@]}"
+    status=$?
   fi
   set -e
   if [ "$status" != 0 ]; then

@@ -82,6 +82,12 @@ def pytest_configure(config: pytest.Config) -> None:
         config.addinivalue_line("markers", line)
 
 
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """Close the watchdog's copy of stderr (left open, it was a ResourceWarning at every session's end)."""
+    if _stderr is not None:
+        _stderr.close()
+
+
 @pytest.hookimpl(tryfirst=True)  # before -k and -m deselect: the lists hold every test of a pass
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import ml_dtypes
@@ -26,14 +27,14 @@ def model(seed: int) -> dict[str, Any]:
         emb = rng.standard_normal((64, 16)).astype(np.float32)
         _MODELS[seed] = {
             "embed": emb,
+            "head": emb,  # tied to embed
             "big": rng.standard_normal(300_000).astype(np.float32),
             "bias": rng.standard_normal(7).astype(np.float32),
             "half": rng.standard_normal((5, 9)).astype(np.float16),
             "brain": rng.standard_normal((3, 11)).astype(BF16),
             "frozen": rng.standard_normal(4).astype(np.float32),
         }
-    fresh = {n: a.copy() for n, a in _MODELS[seed].items()}
-    return {"embed": fresh["embed"], "head": fresh["embed"], **{n: a for n, a in fresh.items() if n != "embed"}}  # head tied
+    return copy.deepcopy(_MODELS[seed])  # fresh arrays; deepcopy keeps the tie (one copy for embed and head)
 
 
 TRAINABLE = ("big", "bias", "brain", "embed", "half")
@@ -41,8 +42,7 @@ TRAINABLE = ("big", "bias", "brain", "embed", "half")
 
 def grads_for(params: dict[str, Any], rng: np.random.Generator, names: Any = TRAINABLE) -> dict[str, Any]:
     """Gradients for ``names``: ``rng``'s normals times 10, in each parameter's shape and dtype (``rng`` advances)."""
-    state = rng.bit_generator.state
-    key = (repr(state), tuple((n, params[n].shape, params[n].dtype) for n in names))
+    key = (repr(rng.bit_generator.state), tuple((n, params[n].shape, params[n].dtype) for n in names))
     if key not in _DRAWS:
         drawn = {n: (rng.standard_normal(params[n].shape) * 10).astype(params[n].dtype) for n in names}
         _DRAWS[key] = (drawn, rng.bit_generator.state)

@@ -59,6 +59,25 @@ PASSES: dict[str, Callable[[set[str]], bool]] = {
 #: the fixture of a refusal test: bad input on one rank, or on every rank (marked ``refusal`` here)
 REFUSAL_FIXTURES = {"where"}
 
+#: the serial pass's longest test files, longest first (seconds on one of its two workers, quiet): its workers
+#: take them first (``--no-loadscope-reorder``: in this order, not by their number of tests), so that the
+#: short files fill the end instead of one worker running a long file alone
+LONGEST_FIRST = (
+    "tests/test_bench_smoke.py",  # 108
+    "tests/test_faults.py",  # 67
+    "tests/test_example_sharded.py",  # 49
+    "tests/test_multihost.py",  # 45
+    "tests/lightning/test_lightning.py",  # 43
+    "tests/test_examples.py",  # 34
+    "tests/test_example_charlm.py",  # 33
+    "tests/torch_distributed/test_backend.py",  # 30
+    "tests/test_readme.py",  # 24
+    "tests/test_packaging.py",  # 15
+    "tests/test_train_step_smoke.py",  # 14
+    "tests/overlap/test_overlap.py",  # 13
+    "tests/torch_distributed/test_clients.py",  # 13
+)
+
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--pass", dest="mpidp_pass", choices=sorted(PASSES), help="keep only the tests of this pass of scripts/test")
@@ -90,6 +109,8 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 @pytest.hookimpl(tryfirst=True)  # before -k and -m deselect: the lists hold every test of a pass
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # the serial pass: the longest files first, the others as collected
+        items.sort(key=lambda item: (LONGEST_FIRST + (item.nodeid.split("::")[0],)).index(item.nodeid.split("::")[0]))
     for item in items:
         fixtures = set(getattr(item, "fixturenames", ()))
         if COLLECTIVE_FIXTURES & fixtures:

@@ -183,6 +183,16 @@ def test_two_commands_and_ci() -> None:
     assert ci == ["exec scripts/test"] or ci == ["scripts/test"], f".ci/run must run the README's test command only: {ci}"
 
 
+def test_the_serial_pass_takes_its_longest_files_first() -> None:
+    """conftest.LONGEST_FIRST names test files that exist, and scripts/test keeps that order (xdist's would not)."""
+    from conftest import LONGEST_FIRST
+
+    missing = [name for name in LONGEST_FIRST if not (ROOT / name).is_file()]
+    assert not missing and len(set(LONGEST_FIRST)) == len(LONGEST_FIRST), missing
+    serial = [line for line in (ROOT / "scripts" / "test").read_text().splitlines() if "-n 2 --dist loadfile" in line]
+    assert len(serial) == 1 and "--no-loadscope-reorder" in serial[0], serial
+
+
 def _paths(code: str) -> set[str]:
     return set(re.findall(r"(?<![\w/.-])((?:scripts|benchmarks|tests|mpidp|docs|\.ci)/[\w./-]*[\w])", code))
 

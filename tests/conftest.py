@@ -110,7 +110,8 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 @pytest.hookimpl(tryfirst=True)  # before -k and -m deselect: the lists hold every test of a pass
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if os.environ.get("PYTEST_XDIST_WORKER"):  # the serial pass: the longest files first, the others as collected
-        items.sort(key=lambda item: (LONGEST_FIRST + (item.nodeid.split("::")[0],)).index(item.nodeid.split("::")[0]))
+        first = {name: i for i, name in enumerate(LONGEST_FIRST)}
+        items.sort(key=lambda item: first.get(item.nodeid.split("::")[0], len(first)))
     for item in items:
         fixtures = set(getattr(item, "fixturenames", ()))
         if COLLECTIVE_FIXTURES & fixtures:

@@ -183,11 +183,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     a = parse(argv)
-    use_casts(a.casts)
     base_name = f"mpidp at {a.rev}" if a.rev else "this checkout"
     title = f"this checkout{f' ({a.reduction})' if a.reduction else ''} / {base_name}{f' ({a.base_reduction})' if a.base_reduction else ''}"
     with tempfile.TemporaryDirectory(prefix="mpidp-versus-") as tmp:
         base = extract(a.rev, Path(tmp)) if a.rev else mpidp
+        use_casts(a.casts)  # after the revision is read: a bad --rev fails without importing torch
         rows = []
         if COMM.rank == 0:
             print(f"{title}, {COMM.size} ranks, {a.casts} casts, median of {a.reps} paired windows")

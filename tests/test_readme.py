@@ -193,6 +193,23 @@ def test_the_serial_pass_takes_its_longest_files_first() -> None:
     assert len(serial) == 1 and "--no-loadscope-reorder" in serial[0], serial
 
 
+def test_every_collective_test_runs_at_four_ranks_with_or_without_the_hosts_pass() -> None:
+    """Where the hosts pass runs, the 4-rank pass leaves it its tests: between them they run every collective test once."""
+    from itertools import combinations
+
+    from conftest import PASSES
+
+    names = ("collective", "transport", "refusal", "hosts", "gpu")
+    for n in range(len(names) + 1):
+        for marks in map(set, combinations(names, n)):
+            alone, beside, hosts = PASSES["ranks"](marks), PASSES["ranks-not-hosts"](marks), PASSES["hosts"](marks)
+            assert alone == (beside or hosts) and not (beside and hosts), (marks, alone, beside, hosts)
+            assert not hosts or alone, f"the hosts pass runs a test the 4-rank pass would not: {marks}"
+    lines = (ROOT / "scripts" / "test").read_text().splitlines()
+    beside = [i for i, line in enumerate(lines) if "--pass ranks-not-hosts" in line]
+    assert len(beside) == 1 and 'if [ "$hosts" = 1 ] && [ "$ranks" = 4 ]' in lines[beside[0] - 2], beside
+
+
 def _paths(code: str) -> set[str]:
     return set(re.findall(r"(?<![\w/.-])((?:scripts|benchmarks|tests|mpidp|docs|\.ci)/[\w./-]*[\w])", code))
 

@@ -57,7 +57,7 @@ PASSES: dict[str, Callable[[set[str]], bool]] = {
     "hosts": lambda marks: "collective" in marks and ("hosts" in marks or ("transport" in marks and "refusal" not in marks)),
     # mpiexec -n 4 where the hosts pass runs too: the collective tests that pass leaves out (it runs the others at
     # 4 ranks as well, 2 to a host: shared memory within a host, TCP between them)
-    "ranks-not-hosts": lambda marks: "collective" in marks and not PASSES["hosts"](marks),
+    "ranks-not-hosts": lambda marks: PASSES["ranks"](marks) and not PASSES["hosts"](marks),
 }
 #: the fixture of a refusal test: bad input on one rank, or on every rank (marked ``refusal`` here)
 REFUSAL_FIXTURES = {"where"}

@@ -205,8 +205,8 @@ def test_every_collective_test_runs_at_four_ranks_with_or_without_the_hosts_pass
             alone, beside, hosts = PASSES["ranks"](marks), PASSES["ranks-not-hosts"](marks), PASSES["hosts"](marks)
             assert alone == (beside or hosts) and not (beside and hosts), (marks, alone, beside, hosts)
             assert not hosts or alone, f"the hosts pass runs a test the 4-rank pass would not: {marks}"
-    beside = [line for line in (ROOT / "scripts" / "test").read_text().splitlines() if "ranks-not-hosts" in line]
-    assert len(beside) == 1 and 'if [ "$hosts" = 1 ] && [ "$ranks" = 4 ]; then selection=ranks-not-hosts' in beside[0], beside
+    choosing = [line for line in (ROOT / "scripts" / "test").read_text().splitlines() if "ranks-not-hosts" in line]
+    assert len(choosing) == 1 and 'if [ "$hosts" = 1 ] && [ "$ranks" = 4 ]; then selection=ranks-not-hosts' in choosing[0], choosing
 
 
 def _paths(code: str) -> set[str]:
